@@ -1,0 +1,137 @@
+"""``megatron-hcp`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from .config import CPConfig, CPConfigError
+
+    try:
+        config = CPConfig.from_pairs(args.pairs)
+        advice = config.validate()
+    except CPConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except Exception as err:  # never a traceback for user input
+        print(f"invalid context-parallel configuration: {err}", file=sys.stderr)
+        return 2
+    print("configuration is valid")
+    for line in advice:
+        print(f"advice: {line}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(p) for p in text.strip("[]").split(",") if p.strip()]
+
+
+def _layout(args: argparse.Namespace) -> int:
+    from .parallel_state.layout import ParallelLayout
+    from .parallel_state.report import describe_cp_groups
+
+    try:
+        layout = ParallelLayout(
+            world_size=args.world_size,
+            tp=args.tp,
+            cp=args.cp,
+            pp=args.pp,
+            ep=args.ep,
+            order=args.order,
+            hierarchical_sizes=tuple(_int_list(args.hcp)) if args.hcp else None,
+        )
+    except ValueError as err:
+        print(f"invalid layout: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(layout.to_json()))
+    else:
+        print("\n".join(describe_cp_groups(layout)))
+    return 0
+
+
+def _verify_groups(args: argparse.Namespace) -> int:
+    from .config import CPConfig, CPConfigError
+    from .local_world import LocalWorld
+    from .parallel_state.selfcheck import check_mpu_groups
+
+    hcp = _int_list(args.hcp) if args.hcp else None
+    kwargs = dict(
+        context_parallel_size=args.cp,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        data_parallel_size=args.world_size // (args.tp * args.cp * args.pp),
+        cp_comm_type="a2a+p2p" if hcp else args.cp_comm_type,
+        hierarchical_context_parallel_sizes=hcp,
+    )
+    try:
+        CPConfig(**kwargs).validate()
+    except CPConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(f"building process groups on {args.world_size} local gloo ranks: {kwargs}", flush=True)
+    with LocalWorld(args.world_size) as world:
+        results = world.run(check_mpu_groups, kwargs, args.order)
+    for line in results[0]["lines"]:
+        print(line)
+    failures = 0
+    for rank, result in enumerate(results):
+        for name, (got, want, members) in result["checks"].items():
+            ok = got == want
+            failures += not ok
+            print(
+                f"rank {rank}: all_reduce(rank) over {name} {members} = {got} "
+                f"(expected {want}) {'OK' if ok else 'MISMATCH'}"
+            )
+    print("verification " + ("passed" if not failures else f"FAILED ({failures} mismatches)"))
+    return 0 if not failures else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check-config", help="validate a CP configuration (megatron field names)")
+    p.add_argument("pairs", nargs="*", metavar="key=value")
+    p.set_defaults(func=_check_config)
+
+    p = sub.add_parser("layout", help="print the CP / HCP rank layout")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--hcp", default=None, help="hierarchical sizes a2a,p2p (e.g. 2,2)")
+    p.add_argument("--order", default="tp-cp-ep-dp-pp")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_layout)
+
+    p = sub.add_parser(
+        "verify-groups", help="build megatron's (H)CP groups on local gloo ranks and verify them"
+    )
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=4)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--hcp", default="2,2")
+    p.add_argument("--cp-comm-type", default="p2p", help="used when --hcp is empty")
+    p.add_argument("--order", default="tp-cp-ep-dp-pp")
+    p.set_defaults(func=_verify_groups)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

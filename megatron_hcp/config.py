@@ -1,0 +1,523 @@
+"""One validated description of a context-parallel (CP) setup.
+
+Vocabulary used throughout the project:
+
+* **CP size** - ranks that split one sequence (``context_parallel_size``).
+* **a2a level / p2p level** - the two levels of hierarchical CP (``cp_comm_type="a2a+p2p"``):
+  ``hierarchical_context_parallel_sizes = [a2a, p2p]``; level 0 (a2a) is the inner, contiguous
+  group, level 1 (p2p) the outer, strided ring.
+* **local heads** - attention heads per tensor-parallel rank.
+* **dynamic group** - with dynamic CP, the per-micro-batch CP group carved out of DPxCP.
+
+:class:`CPConfig` uses megatron's field names; :meth:`CPConfig.validate` checks every rule at once
+and raises one :class:`CPConfigError` listing each violated rule with its parameter, value, rule
+and fix. Validation is pure (no collectives), so every rank raises the same error before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "CPConfig",
+    "CPConfigError",
+    "Violation",
+    "parse_value",
+]
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+MIN_TE_VERSION_A2A_P2P = (1, 12)
+Backend = Literal["auto", "te", "reference"]
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: which parameter, its value, the rule, and how to fix it."""
+
+    parameter: str
+    value: Any
+    rule: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.parameter}={self.value!r}: {self.rule}. Fix: {self.fix}."
+
+
+class CPConfigError(ValueError):
+    """Raised by :meth:`CPConfig.validate`; ``violations`` lists every broken rule."""
+
+    def __init__(self, violations: Sequence[Violation]):
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"invalid context-parallel configuration:\n{lines}")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+@dataclass
+class CPConfig:
+    """Context-parallel setup, with megatron-core's field names.
+
+    ``cp_comm_type`` is one of :data:`CP_COMM_TYPES` or a per-layer list of them (``None`` means
+    megatron's default, ``"p2p"``). ``num_query_groups=None`` means MHA (as many KV heads as
+    heads). ``cp_attention_backend`` says which attention kernel runs CP: ``"te"`` (Transformer
+    Engine), ``"reference"`` (this project's pure-PyTorch backend) or ``"auto"`` (TE when
+    ``te_version`` is set).
+    """
+
+    context_parallel_size: int = 1
+    cp_comm_type: str | list[str] | None = None
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    num_layers: int | None = None
+    seq_length: int | None = None
+    dynamic_context_parallel: bool = False
+    min_dynamic_context_parallel_size: int = 1
+    max_seqlen_per_dp_cp_rank: int | None = None
+    te_version: str | None = None
+    cp_attention_backend: Backend = "auto"
+    _advice: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def comm_types(self) -> list[str]:
+        """The comm type of every layer (a single entry when not given per layer)."""
+        if self.cp_comm_type is None:
+            return ["p2p"]
+        if isinstance(self.cp_comm_type, str):
+            return [self.cp_comm_type]
+        return list(self.cp_comm_type)
+
+    @property
+    def uses_hierarchical(self) -> bool:
+        return "a2a+p2p" in self.comm_types
+
+    @property
+    def backend(self) -> Literal["te", "reference"]:
+        if self.cp_attention_backend == "auto":
+            return "te" if self.te_version else "reference"
+        return self.cp_attention_backend
+
+    @property
+    def a2a_size(self) -> int:
+        """Size of the a2a level (the inner group of a2a+p2p)."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return int(sizes[0]) if sizes else 1
+
+    @property
+    def p2p_size(self) -> int:
+        sizes = self.hierarchical_context_parallel_sizes
+        return int(sizes[1]) if sizes and len(sizes) > 1 else 1
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+            * self.data_parallel_size
+        )
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> list[str]:
+        """Check every rule; raise :class:`CPConfigError` listing all violations.
+
+        Returns advice (strings) for a valid configuration: choices that work but are usually not
+        what the user wants.
+        """
+        violations: list[Violation] = []
+        advice: list[str] = []
+        for check in (
+            self._check_sizes,
+            self._check_comm_types,
+            self._check_hierarchical,
+            self._check_seq_length,
+            self._check_heads,
+            self._check_te,
+            self._check_dynamic,
+        ):
+            check(violations, advice)
+        if violations:
+            raise CPConfigError(violations)
+        self._advice = advice
+        return advice
+
+    def _check_sizes(self, out: list[Violation], advice: list[str]) -> None:
+        for name in (
+            "context_parallel_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "data_parallel_size",
+            "min_dynamic_context_parallel_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(Violation(name, value, "must be an integer >= 1", f"set {name} >= 1"))
+        for name in ("num_attention_heads", "num_query_groups", "num_layers", "seq_length"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                out.append(
+                    Violation(name, value, "must be a positive integer", f"set {name} >= 1")
+                )
+        if self.cp_attention_backend not in ("auto", "te", "reference"):
+            out.append(
+                Violation(
+                    "cp_attention_backend",
+                    self.cp_attention_backend,
+                    "must be one of auto, te, reference",
+                    "pick one of those",
+                )
+            )
+
+    def _check_comm_types(self, out: list[Violation], advice: list[str]) -> None:
+        ct = self.cp_comm_type
+        if ct is not None and not isinstance(ct, (str, list, tuple)):
+            out.append(
+                Violation(
+                    "cp_comm_type",
+                    ct,
+                    "must be a string or a per-layer list of strings",
+                    f"use one of {', '.join(CP_COMM_TYPES)}",
+                )
+            )
+            return
+        bad = [t for t in self.comm_types if t not in CP_COMM_TYPES]
+        if bad:
+            out.append(
+                Violation(
+                    "cp_comm_type",
+                    ct,
+                    f"unknown comm type(s) {bad}",
+                    f"use one of {', '.join(CP_COMM_TYPES)}",
+                )
+            )
+        if isinstance(ct, (list, tuple)):
+            if self.num_layers is None:
+                out.append(
+                    Violation(
+                        "cp_comm_type",
+                        ct,
+                        "a per-layer list needs num_layers to check its length",
+                        "set num_layers",
+                    )
+                )
+            elif len(ct) != self.num_layers:
+                out.append(
+                    Violation(
+                        "cp_comm_type",
+                        ct,
+                        f"a per-layer list must have num_layers={self.num_layers} entries, "
+                        f"it has {len(ct)}",
+                        f"give exactly {self.num_layers} entries or a single string",
+                    )
+                )
+
+    def _check_hierarchical(self, out: list[Violation], advice: list[str]) -> None:
+        sizes = self.hierarchical_context_parallel_sizes
+        name = "hierarchical_context_parallel_sizes"
+        if sizes is None:
+            if self.uses_hierarchical:
+                out.append(
+                    Violation(
+                        name,
+                        None,
+                        "cp_comm_type a2a+p2p needs the sizes of its two levels "
+                        "(without them older stacks silently ran with CP off)",
+                        f"set {name}=[a2a, p2p] with a2a*p2p == context_parallel_size",
+                    )
+                )
+            return
+        if not isinstance(sizes, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in sizes
+        ):
+            out.append(Violation(name, sizes, "must be a list of integers", "e.g. [2, 2]"))
+            return
+        if any(s < 1 for s in sizes):
+            out.append(Violation(name, sizes, "every level must be >= 1", "use sizes >= 1"))
+            return
+        cp = self.context_parallel_size
+        if math.prod(sizes) != cp:
+            out.append(
+                Violation(
+                    name,
+                    sizes,
+                    f"the product of the levels ({math.prod(sizes)}) must equal "
+                    f"context_parallel_size={cp}",
+                    "choose levels whose product is the CP size, or change "
+                    "context_parallel_size",
+                )
+            )
+        if not self.uses_hierarchical:
+            # An error, not a warning: the groups would be built but never used, so a user who
+            # believes HCP is active would silently train with flat CP (see README, "Rules").
+            out.append(
+                Violation(
+                    name,
+                    sizes,
+                    "hierarchical sizes only take effect with cp_comm_type a2a+p2p; with "
+                    f"{self.comm_types} they would be created and never used",
+                    "set cp_comm_type=a2a+p2p, or remove hierarchical_context_parallel_sizes",
+                )
+            )
+        elif len(sizes) != 2:
+            out.append(
+                Violation(
+                    name,
+                    sizes,
+                    f"a2a+p2p has exactly two levels [a2a, p2p], got {len(sizes)}",
+                    "give two sizes, the a2a (inner) size first",
+                )
+            )
+        elif 1 in sizes and cp > 1:
+            kind = "p2p" if sizes[0] == 1 else "a2a"
+            advice.append(
+                f"hierarchical_context_parallel_sizes={list(sizes)} has a level of size 1: "
+                f"a2a+p2p then behaves as pure {kind}; cp_comm_type={kind} is simpler"
+            )
+
+    def _check_seq_length(self, out: list[Violation], advice: list[str]) -> None:
+        cp = self.context_parallel_size
+        if self.seq_length is None or cp <= 1 or not isinstance(self.seq_length, int):
+            return
+        if self.seq_length % (2 * cp) != 0:
+            out.append(
+                Violation(
+                    "seq_length",
+                    self.seq_length,
+                    f"must be divisible by 2*context_parallel_size={2 * cp} (load-balanced "
+                    "causal CP splits every sequence into 2*CP chunks)",
+                    f"use a multiple of {2 * cp}, "
+                    f"e.g. {(self.seq_length // (2 * cp) + 1) * 2 * cp}",
+                )
+            )
+
+    def _check_heads(self, out: list[Violation], advice: list[str]) -> None:
+        heads, groups, tp = self.num_attention_heads, self.num_query_groups, (
+            self.tensor_model_parallel_size
+        )
+        if heads is None or not isinstance(heads, int) or not isinstance(tp, int) or tp < 1:
+            return
+        groups = heads if groups is None else groups
+        if not isinstance(groups, int) or groups < 1:
+            return
+        ok = True
+        if heads % tp:
+            ok = False
+            out.append(
+                Violation(
+                    "num_attention_heads",
+                    heads,
+                    f"must be divisible by tensor_model_parallel_size={tp}",
+                    "change the TP size or the head count",
+                )
+            )
+        if groups % tp:
+            ok = False
+            out.append(
+                Violation(
+                    "num_query_groups",
+                    groups,
+                    f"must be divisible by tensor_model_parallel_size={tp}",
+                    "change the TP size or the number of query groups",
+                )
+            )
+        if heads % groups:
+            ok = False
+            out.append(
+                Violation(
+                    "num_query_groups",
+                    groups,
+                    f"must divide num_attention_heads={heads}",
+                    "use a divisor of the head count",
+                )
+            )
+        if not ok:
+            return
+        q_local, kv_local = heads // tp, groups // tp
+        cp = self.context_parallel_size
+        checks = []
+        if "a2a" in self.comm_types:
+            checks.append(("a2a", "context_parallel_size", cp))
+        if self.uses_hierarchical and self.hierarchical_context_parallel_sizes:
+            checks.append(
+                ("a2a+p2p", "hierarchical_context_parallel_sizes[0] (a2a level)", self.a2a_size)
+            )
+        for kind, size_name, size in checks:
+            if size <= 1:
+                continue
+            if q_local % size:
+                out.append(
+                    Violation(
+                        "num_attention_heads",
+                        heads,
+                        f"{kind} splits the {q_local} local query heads (per TP rank) over "
+                        f"{size_name}={size}, which must divide them",
+                        "use an a2a size that divides the local head count, or more TP",
+                    )
+                )
+            if kv_local % size == 0:
+                continue
+            if self.backend == "reference" and size % kv_local == 0:
+                continue  # KV heads are replicated size/kv_local times (reference backend only)
+            rule = (
+                f"{kind} splits the {kv_local} local KV heads over {size_name}={size}; they "
+                "must be divisible by it"
+            )
+            if self.backend == "reference":
+                rule += " (or divide it, so the reference backend can replicate them)"
+            out.append(
+                Violation(
+                    "num_query_groups",
+                    groups,
+                    rule,
+                    "use a smaller a2a size (a2a+p2p with a larger p2p level) or more KV heads",
+                )
+            )
+        if self.uses_hierarchical and cp > 1 and cp <= kv_local and q_local % cp == 0:
+            advice.append(
+                f"context_parallel_size={cp} <= local KV heads ({kv_local}): pure a2a "
+                "(cp_comm_type=a2a) fits and is usually simpler with the same throughput"
+            )
+
+    def _check_te(self, out: list[Violation], advice: list[str]) -> None:
+        if self.backend != "te" or not self.uses_hierarchical:
+            return
+        if self.te_version is None:
+            out.append(
+                Violation(
+                    "te_version",
+                    None,
+                    "the te backend for a2a+p2p needs Transformer Engine >= 1.12",
+                    "install transformer-engine>=1.12 or use cp_attention_backend=reference",
+                )
+            )
+        elif _version_tuple(str(self.te_version)) < MIN_TE_VERSION_A2A_P2P:
+            out.append(
+                Violation(
+                    "te_version",
+                    self.te_version,
+                    "a2a+p2p needs Transformer Engine >= 1.12",
+                    "upgrade transformer-engine to >= 1.12",
+                )
+            )
+
+    def _check_dynamic(self, out: list[Violation], advice: list[str]) -> None:
+        if not self.dynamic_context_parallel:
+            return
+        n = self.dp_cp_size
+        m = self.min_dynamic_context_parallel_size
+        if isinstance(m, int) and not _is_power_of_two(m):
+            out.append(
+                Violation(
+                    "min_dynamic_context_parallel_size",
+                    m,
+                    "must be a power of two (dynamic CP groups are power-of-two blocks)",
+                    "use 1, 2, 4, ...",
+                )
+            )
+        if isinstance(m, int) and m > n:
+            out.append(
+                Violation(
+                    "min_dynamic_context_parallel_size",
+                    m,
+                    f"must be <= data_parallel_size*context_parallel_size={n}",
+                    f"use at most {n}",
+                )
+            )
+        if n % 2:
+            out.append(
+                Violation(
+                    "data_parallel_size",
+                    self.data_parallel_size,
+                    f"dynamic CP needs an even DPxCP size, got {n}",
+                    "use an even data_parallel_size*context_parallel_size",
+                )
+            )
+        cap = self.max_seqlen_per_dp_cp_rank
+        if cap is None or not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+            out.append(
+                Violation(
+                    "max_seqlen_per_dp_cp_rank",
+                    cap,
+                    "dynamic CP needs a positive token cap per rank",
+                    "set max_seqlen_per_dp_cp_rank to the tokens one rank may hold",
+                )
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[str]) -> CPConfig:
+        """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``)."""
+        kwargs: dict[str, Any] = {}
+        known = cls.field_names()
+        unknown = []
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep:
+                raise CPConfigError(
+                    [Violation(pair, None, "arguments are key=value", "write e.g. seq_length=4096")]
+                )
+            if key not in known:
+                unknown.append(key)
+                continue
+            kwargs[key] = parse_value(raw)
+        if unknown:
+            raise CPConfigError(
+                [
+                    Violation(k, None, "unknown parameter", f"use one of {', '.join(known)}")
+                    for k in unknown
+                ]
+            )
+        if "te_version" in kwargs and kwargs["te_version"] is not None:
+            kwargs["te_version"] = str(kwargs["te_version"])
+        return cls(**kwargs)
+
+
+def parse_value(raw: str) -> Any:
+    """Parse a command-line value: ints, booleans, ``none``, ``[a,b]`` lists, else a string."""
+    text = raw.strip()
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [parse_value(p) for p in inner.split(",")] if inner else []
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip("\"'")

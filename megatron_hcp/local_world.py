@@ -1,0 +1,196 @@
+"""A reusable pool of local ranks joined in one torch.distributed gloo world on 127.0.0.1.
+
+Starting a process and importing torch and megatron-core costs seconds per rank on a small
+machine, so the ranks are started once (forked from a forkserver that has already imported the
+heavy modules) and then run many functions: ``world.run(fn, *args)`` calls ``fn(*args)`` on every
+rank and returns the per-rank results in rank order. ``fn`` must be a module-level function; it
+reads its rank from ``torch.distributed.get_rank()``.
+
+A rank that raises makes :meth:`LocalWorld.run` raise :class:`RankError` with that rank's
+traceback. When some ranks did not answer (for example stuck in a collective that a failing
+rank never joined) the world is torn down and restarted on the next call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["LocalWorld", "RankError", "free_port"]
+
+_PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
+
+
+class RankError(RuntimeError):
+    """A function failed on one or more ranks; ``errors`` maps rank -> (type name, traceback)."""
+
+    def __init__(self, errors: dict[int, tuple[str, str]]):
+        self.errors = errors
+        first = min(errors)
+        super().__init__(
+            f"failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}"
+        )
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    tasks: mp.Queue,
+    results: mp.Queue,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, qualname, args, kwargs, path = task
+        for entry in reversed(path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        try:
+            fn: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                fn = getattr(fn, part)
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as exc:  # report everything, keep serving
+            results.put((rank, False, (type(exc).__name__, traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class LocalWorld:
+    """``world_size`` local ranks in one gloo world; see the module docstring."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        preload: list[str] | None = None,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.env = dict(env or {})
+        self.preload = _PRELOAD if preload is None else preload
+        self._procs: list[mp.Process] = []
+        self._tasks: list[mp.Queue] = []
+        self._results: mp.Queue | None = None
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> LocalWorld:
+        if self._procs:
+            return self
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(self.preload)
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        env = {"OMP_NUM_THREADS": "1", **self.env}
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        return self
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10
+        for proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> LocalWorld:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- running
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        self.start()
+        assert self._results is not None
+        module, qualname = fn.__module__, fn.__qualname__
+        if "<locals>" in qualname:
+            raise ValueError(f"{qualname} is not a module-level function")
+        task = (module, qualname, args, kwargs, list(sys.path))
+        for q in self._tasks:
+            q.put(task)
+        limit = (timeout_s or self.timeout_s) + 30
+        deadline = time.monotonic() + limit
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str]] = {}
+        while len(results) + len(errors) < self.world_size:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                self.close()
+                raise RankError({r: ("ProcessDied", f"rank {r} exited") for r in dead})
+            try:
+                rank, ok, value = self._results.get(timeout=min(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                    self.close()
+                    errors.update({r: ("Timeout", f"no answer in {limit:.0f}s") for r in missing})
+                    raise RankError(errors) from None
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise RankError(errors)
+        return [results[r] for r in range(self.world_size)]

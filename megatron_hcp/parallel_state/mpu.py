@@ -1,0 +1,143 @@
+"""The thin integration with ``megatron.core.parallel_state`` (the MPU path).
+
+This is the only module that sets megatron's global process groups: it validates the
+:class:`~megatron_hcp.config.CPConfig` first (pure, so every rank raises the same error before any
+collective), calls megatron's ``initialize_model_parallel``, checks that megatron's groups equal
+:class:`~megatron_hcp.parallel_state.layout.ParallelLayout` on every rank with one small
+all-gather, and logs the group lines on rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import CPConfig, CPConfigError, Violation
+from .layout import ParallelLayout
+from .report import describe_cp_groups
+
+__all__ = ["LayoutMismatchError", "destroy_model_parallel", "initialize_model_parallel"]
+
+logger = logging.getLogger("megatron_hcp")
+
+
+class LayoutMismatchError(RuntimeError):
+    """megatron-core's groups differ from the computed layout, or ranks disagree on it."""
+
+
+def _layout_digest(layout: ParallelLayout) -> int:
+    text = json.dumps(layout.to_json(), sort_keys=True)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _megatron_groups(ps: Any, layout: ParallelLayout) -> dict[str, list[int]]:
+    ranks = dist.get_process_group_ranks
+    found = {
+        "tp": ranks(ps.get_tensor_model_parallel_group()),
+        "cp": list(ps.get_context_parallel_global_ranks()),
+        "dp": ranks(ps.get_data_parallel_group()),
+        "dp_cp": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "pp": ranks(ps.get_pipeline_model_parallel_group()),
+    }
+    if layout.hcp:
+        for level, group in enumerate(ps.get_hierarchical_context_parallel_groups()):
+            found[f"hcp{level}"] = ranks(group)
+    return found
+
+
+def verify_against_layout(ps: Any, layout: ParallelLayout) -> None:
+    """Compare megatron's groups of this rank with ``layout`` and agree across ranks.
+
+    One all-gather of (layout digest, mismatch flag); every rank raises the same error.
+    """
+    rank = dist.get_rank()
+    expected = {name: layout.group_of(name, rank) for name in ("tp", "cp", "dp", "dp_cp", "pp")}
+    for level, group in enumerate(layout.hcp_of(rank)):
+        expected[f"hcp{level}"] = group
+    found = _megatron_groups(ps, layout)
+    diffs = {k: (expected[k], found.get(k)) for k in expected if expected[k] != found.get(k)}
+    mine = torch.tensor([_layout_digest(layout), int(bool(diffs))], dtype=torch.int64)
+    mine = mine.to(_collective_device())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone).cpu()
+    bad_digest = sorted(int(r) for r in torch.nonzero(table[:, 0] != table[0, 0]).flatten())
+    bad_groups = sorted(int(r) for r in torch.nonzero(table[:, 1]).flatten())
+    if bad_digest or bad_groups:
+        detail = f"; this rank {rank}: expected vs megatron {diffs}" if diffs else ""
+        raise LayoutMismatchError(
+            f"process-group layout check failed: ranks {bad_digest} computed a different layout "
+            f"than rank 0, ranks {bad_groups} got megatron groups that differ from it{detail}. "
+            "Every rank must pass the same configuration."
+        )
+
+
+def initialize_model_parallel(
+    config: CPConfig, *, order: str = "tp-cp-ep-dp-pp", **megatron_kwargs: Any
+) -> ParallelLayout:
+    """Validate ``config``, initialize megatron's groups (incl. hierarchical CP), verify, log.
+
+    ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``
+    (e.g. ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``,
+    ``create_gloo_process_groups``). Returns the verified layout.
+    """
+    config.validate()
+    world = dist.get_world_size()
+    model = (
+        config.tensor_model_parallel_size
+        * config.pipeline_model_parallel_size
+        * config.context_parallel_size
+    )
+    if config.world_size != world:
+        raise CPConfigError(
+            [
+                Violation(
+                    "data_parallel_size",
+                    config.data_parallel_size,
+                    f"tp*pp*cp*dp={config.world_size} must equal the world size {world}",
+                    f"set data_parallel_size = world_size / (tp * pp * cp) = {world / model:g}",
+                )
+            ]
+        )
+    from megatron.core import parallel_state as ps
+
+    hcp = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        hierarchical_context_parallel_sizes=list(hcp) if hcp else None,
+        order=order,
+        **megatron_kwargs,
+    )
+    layout = ParallelLayout(
+        world_size=world,
+        tp=config.tensor_model_parallel_size,
+        cp=config.context_parallel_size,
+        pp=config.pipeline_model_parallel_size,
+        order=order,
+        hierarchical_sizes=tuple(hcp) if hcp else None,
+    )
+    verify_against_layout(ps, layout)
+    if dist.get_rank() == 0:
+        for line in describe_cp_groups(layout):
+            logger.info(line)
+    return layout
+
+
+def destroy_model_parallel() -> None:
+    """megatron's ``destroy_model_parallel`` (kept here so callers need one import)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()

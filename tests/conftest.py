@@ -1,0 +1,18 @@
+"""Shared fixtures: one reusable gloo world per test module (see megatron_hcp.local_world)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from megatron_hcp.local_world import LocalWorld
+
+
+@contextlib.contextmanager
+def local_world(world_size: int) -> Iterator[LocalWorld]:
+    """Start ``world_size`` ranks once; modules wrap this in a module-scoped fixture."""
+    world = LocalWorld(world_size).start()
+    try:
+        yield world
+    finally:
+        world.close()
