@@ -1,0 +1,26 @@
+"""Pure-PyTorch context-parallel attention: p2p, all_gather, a2a, a2a+p2p; bshd, sbhd, thd."""
+
+from .api import context_parallel_attention
+from .comm import CommCounter, CommRecord
+from .oracle import full_attention
+from .sharding import (
+    CPAttentionError,
+    assemble_from_chunks,
+    gather_from_cp,
+    get_local_chunk,
+    pad_thd,
+    thd_partition_indices,
+)
+
+__all__ = [
+    "CPAttentionError",
+    "CommCounter",
+    "CommRecord",
+    "assemble_from_chunks",
+    "context_parallel_attention",
+    "full_attention",
+    "gather_from_cp",
+    "get_local_chunk",
+    "pad_thd",
+    "thd_partition_indices",
+]

@@ -1,0 +1,194 @@
+"""``context_parallel_attention``: CP attention over any torch.distributed backend.
+
+Comm types (as in megatron-core / Transformer Engine):
+
+* ``p2p`` - KV ring over the CP group, ``cp-1`` steps, load-balanced causal blocks;
+* ``all_gather`` - one all-gather of KV (backward: reduce-scatter of dK/dV);
+* ``a2a`` - Ulysses: all-to-all scatters heads and gathers the sequence, local attention, back;
+* ``a2a+p2p`` - a2a inside the inner group, then a ring of ``p-1`` steps over the outer group.
+
+The a2a output is re-ordered into the same two-halves layout one level up (chunks ``P*a..P*a+a-1``
+and their mirrors), so a2a+p2p is an a2a followed by the p2p ring at CP size ``p``, and pure a2a
+is the ring with ``p == 1``.
+
+GQA/MQA: KV heads may be fewer than query heads. When an a2a level is larger than the number of
+KV heads (it must then be a multiple of it), KV heads are replicated ``a/Hkv`` times before the
+all-to-all (as LoongTrain does). Cost: the K/V all-to-all and the post-a2a K/V buffers grow by
+that factor, i.e. ``a/Hkv`` times the K/V memory of pure GQA; dK/dV of the replicas are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...config import CP_COMM_TYPES
+from .functions import AllGatherAttention, HeadsToSeq, RingAttention, SeqToHeads
+from .sharding import (
+    CPAttentionError,
+    SeqLayout,
+    a2a_gather_permutation,
+    check_cu_seqlens,
+    seq_lengths,
+)
+
+__all__ = ["context_parallel_attention"]
+
+Group = dist.ProcessGroup | None
+
+
+def _to_bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bshd":
+        return x.permute(0, 2, 1, 3)
+    if fmt == "sbhd":
+        return x.permute(1, 2, 0, 3)
+    return x.permute(1, 0, 2).unsqueeze(0)
+
+
+def _from_bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bshd":
+        return x.permute(0, 2, 1, 3)
+    if fmt == "sbhd":
+        return x.permute(2, 0, 1, 3)
+    return x.squeeze(0).permute(1, 0, 2)
+
+
+def _groups(cp_comm_type: str, cp_group) -> tuple[Group, Group, int, int, int]:
+    """(a2a group, ring group, a, p, flat position) for ``cp_comm_type``."""
+    if cp_comm_type == "a2a+p2p":
+        if not isinstance(cp_group, Sequence) or len(cp_group) != 2:
+            raise CPAttentionError(
+                "cp_comm_type='a2a+p2p' needs cp_group=[a2a_group, p2p_group] (megatron's "
+                "hierarchical CP groups, innermost first); got "
+                f"{type(cp_group).__name__}"
+            )
+        ga, gp = cp_group
+        a, p = dist.get_world_size(ga), dist.get_world_size(gp)
+        return ga, gp, a, p, dist.get_rank(gp) * a + dist.get_rank(ga)
+    if isinstance(cp_group, Sequence):
+        raise CPAttentionError(
+            f"cp_comm_type={cp_comm_type!r} takes one cp_group, got a list of "
+            f"{len(cp_group)}; pass a list only with a2a+p2p"
+        )
+    if cp_group is None:
+        raise CPAttentionError(
+            f"cp_group is None for cp_comm_type={cp_comm_type!r}: a missing group would run "
+            "with CP off; pass the context-parallel process group"
+        )
+    n, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    if cp_comm_type == "a2a":
+        return cp_group, None, n, 1, r
+    return None, cp_group, 1, n, r
+
+
+def _check_heads(hq: int, hkv: int, a: int) -> None:
+    if hkv < 1 or hq % hkv:
+        raise CPAttentionError(
+            f"{hq} query heads are not a multiple of {hkv} KV heads (GQA needs Hq % Hkv == 0)"
+        )
+    if a > 1 and hq % a:
+        raise CPAttentionError(
+            f"a2a size {a} does not divide the {hq} local query heads; use an a2a size that "
+            "divides the heads (or a2a+p2p with a smaller a2a level)"
+        )
+    if a > 1 and hkv % a and a % hkv:
+        raise CPAttentionError(
+            f"a2a size {a} and {hkv} local KV heads: KV heads must be divisible by the a2a size "
+            "or divide it (then they are replicated); use a smaller a2a level"
+        )
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_comm_type: str,
+    cp_group,
+    causal: bool = True,
+    qkv_format: str = "bshd",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_kv_padded: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
+
+    Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d], with ``s``/``t`` the
+    local (sharded) length as cut by :func:`~.sharding.get_local_chunk`. ``cp_group`` is one
+    process group, or ``[a2a_group, p2p_group]`` for ``"a2a+p2p"``; a rank's CP position is its
+    rank in the flat group (a2a+p2p: p2p index * a2a size + a2a index). For ``thd`` the
+    ``cu_seqlens`` describe the full packed batch; missing kv metadata defaults to q's,
+    ``cu_seqlens_q_padded`` to ``cu_seqlens_q``, and
+    every padded length must be a multiple of ``2*CP``. Padding tokens get output 0 and no
+    gradient. Self-attention only: q and kv share the packing.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
+    if qkv_format not in ("bshd", "sbhd", "thd"):
+        raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
+    expected_dims = 3 if qkv_format == "thd" else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != expected_dims:
+            raise CPAttentionError(f"{name} has {t.dim()} dims; {qkv_format} needs {expected_dims}")
+    a2a_group, ring_group, a, p, flat = _groups(cp_comm_type, cp_group)
+    n = a * p
+    qh, kh, vh = (_to_bhsd(t, qkv_format) for t in (q, k, v))
+    if not (qh.shape[2] == kh.shape[2] == vh.shape[2] and kh.shape[:2] == vh.shape[:2]):
+        raise CPAttentionError(
+            f"q, k, v disagree on sequence length or heads: {list(q.shape)}, {list(k.shape)}, "
+            f"{list(v.shape)} (self-attention with one packing only)"
+        )
+    _check_heads(qh.shape[1], kh.shape[1], a)
+    if qkv_format == "thd":
+        if cu_seqlens_q is None:
+            raise CPAttentionError("qkv_format='thd' needs cu_seqlens_q (full packed batch)")
+        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+        pad_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+        pad_kv = pad_q if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+        if not (torch.equal(cu_seqlens_q.cpu(), cu_kv.cpu())
+                and torch.equal(pad_q.cpu(), pad_kv.cpu())):
+            raise CPAttentionError(
+                "cu_seqlens_q/_kv (and their padded forms) differ; CP attention supports "
+                "self-attention with one packing"
+            )
+        check_cu_seqlens(cu_seqlens_q.cpu(), pad_q.cpu(), n)
+        layout = SeqLayout(tuple(seq_lengths(pad_q.cpu())), tuple(seq_lengths(cu_seqlens_q.cpu())),
+                           n, flat)
+        if layout.local_tokens != qh.shape[2]:
+            raise CPAttentionError(
+                f"q holds {qh.shape[2]} tokens but cu_seqlens_q_padded gives "
+                f"{int(pad_q[-1])} / cp={n} = {layout.local_tokens} per rank; pass the "
+                "sharded tensor (get_local_chunk) and the full-batch cu_seqlens"
+            )
+    else:
+        if qh.shape[2] % 2:
+            raise CPAttentionError(
+                f"local sequence length {qh.shape[2]} is odd; the load-balanced layout holds "
+                "two equal chunks per rank (global length must be a multiple of 2*CP)"
+            )
+        layout = SeqLayout.dense(qh.shape[2], n, flat)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+    if a > 1:
+        if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
+            reps = a // kh.shape[1]
+            kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
+        perm = a2a_gather_permutation(layout, a).to(q.device)
+        inv = torch.argsort(perm)
+        qh, kh, vh = (SeqToHeads.apply(t, a2a_group, perm, inv) for t in (qh, kh, vh))
+        layout = layout.at(p, flat // a)
+    if cp_comm_type == "all_gather":
+        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale)
+    else:
+        ranks = dist.get_process_group_ranks(ring_group) if ring_group is not None else [
+            dist.get_rank()
+        ]
+        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale)
+    if a > 1:
+        out = HeadsToSeq.apply(out, a2a_group, perm, inv)
+    return _from_bhsd(out, qkv_format)

@@ -1,0 +1,222 @@
+"""autograd Functions of CP attention, each with its own communication in backward.
+
+* :class:`RingAttention` - KV ring over a group of ``p`` ranks (``p-1`` steps; ``p == 1`` is
+  plain local attention). Backward sends KV round the ring again with a travelling dK/dV
+  accumulator that ends at its owner. Saves only local tensors: memory is O(local sequence).
+* :class:`AllGatherAttention` - one all-gather of KV; backward gathers again and
+  reduce-scatters dK/dV.
+* :class:`SeqToHeads` / :class:`HeadsToSeq` - Ulysses all-to-all (scatter heads, gather sequence)
+  and its inverse, each the other's backward.
+
+Tensors are ``[B, H, S, D]``; ``S`` is the local sequence in the two-halves layout of
+:class:`~.sharding.SeqLayout`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .blocks import Block, plan_block, take
+from .kernels import acc_dtype, block_backward, block_forward, merge_into
+from .sharding import SeqLayout
+
+__all__ = ["AllGatherAttention", "HeadsToSeq", "RingAttention", "SeqToHeads"]
+
+
+def _on(block: Block, device: torch.device) -> Block:
+    def move(x):
+        return x if isinstance(x, slice) or x is None else x.to(device)
+
+    return Block(move(block.rows), move(block.cols), block.causal, move(block.mask))
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(kv: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    nk = k_shape.numel()
+    return kv[:nk].view(k_shape), kv[nk:].view(v_shape)
+
+
+def _forward_block(q, k, v, block, scale, out, lse):
+    ob, lb = block_forward(
+        take(q, block.rows), take(k, block.cols), take(v, block.cols),
+        scale=scale, causal=block.causal, mask=block.mask,
+    )
+    merge_into(out, lse, block.rows, ob, lb)
+
+
+def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv):
+    gq, gk, gv = block_backward(
+        take(dout, block.rows), take(q, block.rows), take(k, block.cols), take(v, block.cols),
+        take(out, block.rows), take(lse, block.rows),
+        scale=scale, causal=block.causal, mask=block.mask,
+    )
+    for acc, grad, sel in ((dq, gq, block.rows), (dk, gk, block.cols), (dv, gv, block.cols)):
+        if isinstance(sel, slice):
+            acc[:, :, sel] += grad
+        else:
+            acc.index_add_(2, sel, grad)
+
+
+def _new_acc(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = acc_dtype(q.dtype)
+    b, h, s, _ = q.shape
+    out = torch.zeros(b, h, s, q.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
+                scale: float):
+        p, pos = len(ranks), layout.position
+        nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
+        out, lse = _new_acc(q)
+        cur = _pack(k, v)
+        for step in range(p):
+            src = (pos - step) % p
+            if step < p - 1:
+                incoming = torch.empty_like(cur)
+                works = comm.ring_exchange(cur, incoming, group, nxt, prv)
+            kj, vj = _unpack(cur, k.shape, v.shape)
+            block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
+            _forward_block(q, kj, vj, block, scale, out, lse)
+            if step < p - 1:
+                for w in works:
+                    w.wait()
+                cur = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (layout, group, ranks, causal, scale)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, ranks, causal, scale = ctx.meta
+        p, pos = len(ranks), layout.position
+        nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
+        cur = _pack(k, v)
+        for step in range(p):
+            src = (pos - step) % p
+            if step < p - 1:
+                incoming = torch.empty_like(cur)
+                works = comm.ring_exchange(cur, incoming, group, nxt, prv)
+            kj, vj = _unpack(cur, k.shape, v.shape)
+            dk, dv = _unpack(dkv, k.shape, v.shape)
+            block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
+            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+            if step < p - 1:
+                for w in works:
+                    w.wait()
+                cur = incoming
+            if p > 1:  # dK/dV of `src` travel on; after the last step ours come home
+                arrived = torch.empty_like(dkv)
+                for w in comm.ring_exchange(dkv, arrived, group, nxt, prv):
+                    w.wait()
+                dkv = arrived
+        dk, dv = _unpack(dkv, k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """CP attention with one all-gather of KV over ``group`` (this rank at ``layout.position``)."""
+
+    @staticmethod
+    def _gather(k, v, group, n):
+        local = _pack(k, v)
+        full = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(full, local, group)
+        return full.view(n, -1)
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float):
+        n = layout.cp
+        full = AllGatherAttention._gather(k, v, group, n)
+        out, lse = _new_acc(q)
+        for src in range(n):
+            kj, vj = _unpack(full[src], k.shape, v.shape)
+            block = _on(plan_block(layout, layout.at(n, src), causal), q.device)
+            _forward_block(q, kj, vj, block, scale, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (layout, group, causal, scale)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, causal, scale = ctx.meta
+        n = layout.cp
+        full = AllGatherAttention._gather(k, v, group, n)  # gathered again: O(local) saved
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
+        for src in range(n):
+            kj, vj = _unpack(full[src], k.shape, v.shape)
+            dk, dv = _unpack(dkv_all[src], k.shape, v.shape)
+            block = _on(plan_block(layout, layout.at(n, src), causal), q.device)
+            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+        mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
+        comm.reduce_scatter_tensor(mine, dkv_all.view(-1), group)
+        dk, dv = _unpack(mine, k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H/a, a*S, D]: scatter heads, gather sequence, reorder."""
+    a = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, a, h // a, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group)
+    gathered = recv.permute(1, 2, 0, 3, 4).reshape(b, h // a, a * s, d)
+    return gathered.index_select(2, perm)
+
+
+def _heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`: [B, H/a, a*S, D] -> [B, H, S, D]."""
+    a = dist.get_world_size(group)
+    b, hl, sa, d = x.shape
+    s = sa // a
+    ordered = x.index_select(2, inv_perm).reshape(b, hl, a, s, d)
+    send = ordered.permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group)
+    return recv.transpose(0, 1).reshape(b, a * hl, s, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Ulysses all-to-all: local sequence, all heads -> a2a group's sequence, 1/a of heads."""
+
+    @staticmethod
+    def forward(ctx, x, group, perm, inv_perm):
+        ctx.meta = (group, perm, inv_perm)
+        return _seq_to_heads(x, group, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, perm, inv_perm = ctx.meta
+        return _heads_to_seq(grad, group, inv_perm), None, None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """Inverse Ulysses all-to-all (the output path)."""
+
+    @staticmethod
+    def forward(ctx, x, group, perm, inv_perm):
+        ctx.meta = (group, perm, inv_perm)
+        return _heads_to_seq(x, group, inv_perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, perm, inv_perm = ctx.meta
+        return _seq_to_heads(grad, group, perm), None, None, None

@@ -1,0 +1,56 @@
+"""Plain single-process attention on global tensors: the oracle CP attention is checked against.
+
+Written independently of the CP kernels (explicit softmax per sequence, no LSE merging).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .sharding import seq_lengths
+
+__all__ = ["full_attention"]
+
+
+def _attend(q, k, v, causal, scale):
+    # q [s, h, d], k/v [s, hkv, d]
+    reps = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        s = q.shape[0]
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def full_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    qkv_format: str = "bshd",
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over whole (unsharded) tensors; ``thd`` padding rows give 0."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if qkv_format == "bshd":
+        return torch.stack([_attend(q[b], k[b], v[b], causal, scale) for b in range(q.shape[0])])
+    if qkv_format == "sbhd":
+        out = full_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                             causal=causal, softmax_scale=scale)
+        return out.transpose(0, 1)
+    assert cu_seqlens is not None
+    padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    parts = []
+    start = 0
+    for n, p in zip(seq_lengths(cu_seqlens), seq_lengths(padded)):
+        sl = slice(start, start + n)
+        parts.append(_attend(q[sl], k[sl], v[sl], causal, scale))
+        parts.append(q.new_zeros((p - n, q.shape[1], v.shape[-1])))
+        start += p
+    return torch.cat(parts)

@@ -1,0 +1,260 @@
+"""CP attention against single-process attention on the gathered tensors (4 gloo ranks)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hcp.attention.reference import (
+    CommCounter,
+    CPAttentionError,
+    assemble_from_chunks,
+    context_parallel_attention,
+    full_attention,
+    get_local_chunk,
+    pad_thd,
+)
+from megatron_hcp.local_world import RankError
+from megatron_hcp.parallel_state.hierarchical import new_groups
+from megatron_hcp.parallel_state.layout import hierarchical_level_groups
+from tests.conftest import local_world
+
+WORLD = 4
+COMMS = ["p2p", "all_gather", "a2a", "a2a+p2p"]
+FORMATS = ["bshd", "sbhd", "thd"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "kv_rep": (4, 1)}  # (q heads, kv heads)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+_GROUPS: dict = {}  # per worker process: groups are created once, in the same order everywhere
+
+
+@pytest.fixture(scope="module")
+def world():
+    with local_world(WORLD) as w:
+        yield w
+
+
+def cp_groups(cp: int, hcp: tuple[int, int] | None):
+    """This rank's CP group (or [a2a, p2p] groups) and the index of its CP group."""
+    key = (cp, hcp)
+    if key not in _GROUPS:
+        rank = dist.get_rank()
+        flat = [list(range(s, s + cp)) for s in range(0, WORLD, cp)]
+        index = next(i for i, g in enumerate(flat) if rank in g)
+        if hcp is None:
+            levels = [flat]
+        else:
+            per_group = [hierarchical_level_groups(g, hcp) for g in flat]
+            levels = [[g for p in per_group for g in p[lvl]] for lvl in range(2)]
+        mine = [new_groups(level) for level in levels]
+        _GROUPS[key] = (mine if hcp else mine[0], index)
+    return _GROUPS[key]
+
+
+def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
+    """Global q, k, v (and thd metadata) identical on every rank of a CP group."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    meta = {}
+    if fmt == "thd":
+        lengths = torch.randint(0, 21, (3,), generator=gen).tolist()
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        extra = torch.randint(0, 2, (3,), generator=gen) * 2 * cp  # padding between sequences
+        _, cu_pad = pad_thd(torch.zeros(int(cu[-1]), 1), cu, cp)
+        cu_pad = cu_pad + torch.cat([torch.zeros(1, dtype=cu_pad.dtype),
+                                     extra.cumsum(0).to(cu_pad.dtype)])
+        t = int(cu_pad[-1])
+        shapes = [(t, hq, d), (t, hkv, d), (t, hkv, d)]
+        meta = dict(cu_seqlens=cu, cu_seqlens_padded=cu_pad)
+    else:
+        s = 2 * cp * 4
+        order = (lambda h: (b, s, h, d)) if fmt == "bshd" else (lambda h: (s, b, h, d))
+        shapes = [order(hq), order(hkv), order(hkv)]
+    q, k, v = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes)
+    dout = torch.randn(shapes[0], generator=gen, dtype=torch.float64)
+    if fmt == "thd":  # padding tokens hold garbage: it must not leak into real tokens
+        valid = torch.zeros(shapes[0][0], dtype=torch.bool)
+        for i in range(len(meta["cu_seqlens"]) - 1):
+            start = int(meta["cu_seqlens_padded"][i])
+            valid[start : start + int(meta["cu_seqlens"][i + 1] - meta["cu_seqlens"][i])] = True
+        meta["valid"] = valid
+    return [x.to(dtype) for x in (q, k, v, dout)], meta
+
+
+def run_case(comm, fmt, causal, heads, cp, dtype, seed):
+    hcp = (2, cp // 2) if comm == "a2a+p2p" else None
+    group, group_id = cp_groups(cp, hcp)
+    flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
+    (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id)
+    pad = meta.get("cu_seqlens_padded")
+    ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref = full_attention(*ref_in, causal=causal, qkv_format=fmt,
+                         cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad)
+    ref.backward(dout)
+
+    def shard(x):
+        return get_local_chunk(x, cp, flat_rank, fmt, pad)
+
+    local = [shard(x).detach().requires_grad_() for x in (q, k, v)]
+    out = context_parallel_attention(
+        *local, cp_comm_type=comm, cp_group=group, causal=causal, qkv_format=fmt,
+        cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_kv=meta.get("cu_seqlens"),
+        cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+    )
+    out.backward(shard(dout))
+    errors = {
+        "out": (out - shard(ref)).abs().max().item(),
+        "dq": (local[0].grad - shard(ref_in[0].grad)).abs().max().item(),
+        "dk": (local[1].grad - shard(ref_in[1].grad)).abs().max().item(),
+        "dv": (local[2].grad - shard(ref_in[2].grad)).abs().max().item(),
+    }
+    if fmt == "thd":  # padding rows: exactly zero output and no gradient
+        valid = shard(meta["valid"])
+        errors["pad_out"] = out[~valid].abs().max().item() if (~valid).any() else 0.0
+        errors["pad_dq"] = local[0].grad[~valid].abs().max().item() if (~valid).any() else 0.0
+    return errors
+
+
+def run_cases(cases):
+    return [run_case(*case) for case in cases]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("comm", COMMS)
+def test_matches_single_process_attention(world, comm, fmt):
+    cases = [
+        (comm, fmt, causal, HEADS[h], cp, dtype, seed)
+        for seed, (causal, h, cp, dtype) in enumerate(itertools.product(
+            [True, False], HEADS, [2, 4], [torch.float64, torch.float32]))
+    ]
+    per_rank = world.run(run_cases, cases)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for case, errors in zip(cases, results):
+            tol = TOL[case[5]]
+            bad = {k: e for k, e in errors.items() if not e <= tol}
+            if bad:
+                failures.append((rank, case[2:5], str(case[5]), bad))
+    assert not failures, failures[:8]
+
+
+def assemble_roundtrip():
+    cp = 4
+    for fmt in FORMATS:
+        (q, *_), meta = make_inputs(fmt, (4, 4), torch.float64, cp, 7)
+        pad = meta.get("cu_seqlens_padded")
+        chunks = [get_local_chunk(q, cp, r, fmt, pad) for r in range(cp)]
+        assert torch.equal(assemble_from_chunks(chunks, fmt, pad), q), fmt
+    return True
+
+
+def test_chunking_roundtrip_and_megatron_layout():
+    assert assemble_roundtrip()
+    x = torch.arange(16).view(1, 16)
+    # rank 1 of CP=4 holds chunks 1 and 6 of 8 (megatron's get_batch_on_this_cp_rank)
+    assert get_local_chunk(x, 4, 1, "bshd").tolist() == [[2, 3, 12, 13]]
+
+
+# ------------------------------------------------------------------ exact communication
+def count_comm(comm, fmt):
+    cp = 4
+    hcp = (2, 2) if comm == "a2a+p2p" else None
+    group, _ = cp_groups(cp, hcp)
+    flat_rank = dist.get_rank() % cp
+    (q, k, v, dout), meta = make_inputs(fmt, (4, 2), torch.float32, cp, 3)
+    pad = meta.get("cu_seqlens_padded")
+    local = [get_local_chunk(x, cp, flat_rank, fmt, pad).requires_grad_() for x in (q, k, v)]
+    with CommCounter() as fwd:
+        out = context_parallel_attention(
+            *local, cp_comm_type=comm, cp_group=group, qkv_format=fmt,
+            cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_q_padded=pad)
+    with CommCounter() as bwd:
+        out.backward(get_local_chunk(dout, cp, flat_rank, fmt, pad))
+    kv_local = local[1].numel()
+    return ([(r.op, r.numel, r.group_size) for r in fwd.records],
+            [(r.op, r.numel, r.group_size) for r in bwd.records], kv_local, local[0].numel())
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_exact_communication(world, fmt):
+    # p2p: CP-1 ring steps of exactly 2*s*Hkv*d (times batch) elements; backward adds the
+    # travelling dK/dV (CP sends, fp32).
+    fwd, bwd, kv, _ = world.run(count_comm, "p2p", fmt)[0]
+    assert fwd == [("send", 2 * kv, 4)] * 3
+    assert bwd == [("send", 2 * kv, 4)] * 7  # 3 KV steps interleaved with 4 dK/dV hand-overs
+    # all_gather: one all-gather forward; backward gathers again and reduce-scatters dK/dV
+    fwd, bwd, kv, _ = world.run(count_comm, "all_gather", fmt)[0]
+    assert fwd == [("all_gather", 2 * kv, 4)]
+    assert bwd == [("all_gather", 2 * kv, 4), ("reduce_scatter", 4 * 2 * kv, 4)]
+    # a2a: q, k, v in and the output back, each sending (a-1)/a of its tensor
+    fwd, bwd, kv, qn = world.run(count_comm, "a2a", fmt)[0]
+    kv_rep = kv * 2  # 2 KV heads replicated to the a2a size 4
+    assert fwd == [("all_to_all", qn * 3 // 4, 4), ("all_to_all", kv_rep * 3 // 4, 4),
+                   ("all_to_all", kv_rep * 3 // 4, 4), ("all_to_all", qn * 3 // 4, 4)]
+    assert [op for op, *_ in bwd] == ["all_to_all"] * 4
+    # a2a+p2p [2,2]: a2a in the inner pair, then p-1 = 1 ring step over the outer pair
+    fwd, bwd, kv, qn = world.run(count_comm, "a2a+p2p", fmt)[0]
+    assert [(op, size) for op, _, size in fwd] == [("all_to_all", 2)] * 3 + [("send", 2)] + [
+        ("all_to_all", 2)]
+    ring_send = fwd[3][1]
+    assert ring_send == 2 * kv  # after a2a: half the heads, twice the tokens
+    assert [(op, size) for op, _, size in bwd] == [("all_to_all", 2)] + [("send", 2)] * 3 + [
+        ("all_to_all", 2)] * 3
+
+
+# ------------------------------------------------------------------ bad input
+def bad_inputs():
+    group, _ = cp_groups(4, None)
+    q = torch.randn(1, 8, 4, 8)
+    errors = []
+    cases = [
+        dict(q=torch.randn(1, 8, 3, 8), cp_comm_type="a2a", cp_group=group),  # 3 heads / 4
+        dict(q=q, k=torch.randn(1, 8, 3, 8), cp_comm_type="p2p", cp_group=group),  # GQA 4/3
+        dict(q=torch.randn(1, 7, 4, 8), cp_comm_type="p2p", cp_group=group),  # odd length
+        dict(q=q, cp_comm_type="a2a+p2p", cp_group=group),  # needs two groups
+        dict(q=q, cp_comm_type="p2p", cp_group=None),  # silent CP-off
+        dict(q=q, cp_comm_type="ring", cp_group=group),
+        dict(q=torch.randn(24, 4, 8), qkv_format="thd", cp_comm_type="p2p", cp_group=group,
+             cu_seqlens_q=torch.tensor([0, 10, 24])),  # 10 and 14 are not multiples of 8
+        dict(q=torch.randn(5, 4, 8), qkv_format="thd", cp_comm_type="p2p", cp_group=group,
+             cu_seqlens_q=torch.tensor([0, 8, 24])),  # local tokens should be 24/4 = 6
+    ]
+    for kwargs in cases:
+        qq = kwargs.pop("q")
+        kk = kwargs.pop("k", None)
+        kk = torch.randn(qq.shape[:-2] + (qq.shape[-2],) + qq.shape[-1:]) if kk is None else kk
+        try:
+            context_parallel_attention(qq, kk, kk.clone(), **kwargs)
+            errors.append(None)
+        except CPAttentionError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_bad_input_clear_error_on_every_rank_before_any_collective(world):
+    per_rank = world.run(bad_inputs)
+    assert all(r == per_rank[0] for r in per_rank)
+    messages = per_rank[0]
+    assert None not in messages, messages
+    for fragment, message in zip(
+        ["does not divide the 3 local query heads", "not a multiple of 3 KV heads",
+         "is odd", "needs cp_group=[a2a_group, p2p_group]", "would run with CP off",
+         "use one of", "not a multiple of 2*cp_size=8", "q holds 5 tokens"], messages):
+        assert fragment in message, (fragment, message)
+    # no collective was left half-way: the world still answers
+    assert world.run(dist.get_rank) == list(range(WORLD))
+
+
+def test_pad_thd_pads_each_sequence():
+    x = torch.arange(7.0).view(7, 1)
+    out, cu_pad = pad_thd(x, torch.tensor([0, 3, 7]), cp_size=2)
+    assert cu_pad.tolist() == [0, 4, 8]
+    assert out.view(-1).tolist() == [0, 1, 2, 0, 3, 4, 5, 6]
+
+
+def test_world_errors_are_reported(world):
+    with pytest.raises(RankError):
+        world.run(math.sqrt, -1.0)
