@@ -118,15 +118,18 @@ class SeqLayout:
     def _meta(self) -> tuple[torch.Tensor, ...]:
         seq_ids, positions, first, second = [], [], [], []
         offset = 0
-        for i, (p, n) in enumerate(zip(self.padded, self.real)):
+        mirror = 2 * self.cp - 1 - self.position
+        for i, p in enumerate(self.padded):
             c = p // (2 * self.cp)
-            for chunk, bucket in ((self.position, first), (2 * self.cp - 1 - self.position, second)):
+            for chunk, bucket in ((self.position, first), (mirror, second)):
                 pos = torch.arange(chunk * c, (chunk + 1) * c)
                 positions.append(pos)
                 seq_ids.append(torch.full((c,), i))
                 bucket.append(torch.arange(offset, offset + c))
                 offset += c
-        cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+        def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
+
         seq_id, pos = cat(seq_ids), cat(positions)
         real = torch.tensor(self.real)[seq_id] if len(seq_id) else seq_id
         return seq_id, pos, pos < real, cat(first), cat(second)
