@@ -78,6 +78,7 @@ class RingAttention(torch.autograd.Function):
                 scale: float):
         p, pos = len(ranks), layout.position
         nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
         out, lse = _new_acc(q)
         cur = _pack(k, v)
         for step in range(p):
@@ -100,6 +101,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, ranks, causal, scale = ctx.meta
+        dout = dout.contiguous()
         p, pos = len(ranks), layout.position
         nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
         acc = acc_dtype(q.dtype)
@@ -141,6 +143,7 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float):
         n = layout.cp
+        q = q.contiguous()
         full = AllGatherAttention._gather(k, v, group, n)
         out, lse = _new_acc(q)
         for src in range(n):
@@ -155,6 +158,7 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, causal, scale = ctx.meta
+        dout = dout.contiguous()
         n = layout.cp
         full = AllGatherAttention._gather(k, v, group, n)  # gathered again: O(local) saved
         acc = acc_dtype(q.dtype)

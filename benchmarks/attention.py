@@ -1,0 +1,161 @@
+"""CP attention benchmark: communication volume, load balance and work inflation.
+
+For each comm type and CP size, on local gloo ranks (CPU, fp32, causal, batch 1):
+
+* bytes sent per rank (forward + backward, as recorded by ``CommCounter``) against the analytic
+  formula for the algorithm;
+* max/mean attention FLOPs across the CP ranks (score-matrix entries actually computed);
+* work inflation: CPU time summed over all CP ranks for forward + backward, divided by the CPU
+  time of single-process ``scaled_dot_product_attention`` forward + backward on the whole problem,
+  measured in the same run on the same machine (every process single-threaded).
+
+Run: ``.venv/bin/python benchmarks/attention.py [--seq 4096 --heads 8 --kv-heads 8 --dim 64]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_hcp.attention.reference import CommCounter, context_parallel_attention  # noqa: E402
+from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
+from megatron_hcp.attention.reference.sharding import SeqLayout  # noqa: E402
+from megatron_hcp.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.parallel_state.hierarchical import new_groups  # noqa: E402
+from megatron_hcp.parallel_state.layout import hierarchical_level_groups  # noqa: E402
+
+WORLD = 4
+CASES = [("p2p", 2), ("p2p", 4), ("all_gather", 2), ("all_gather", 4), ("a2a", 2), ("a2a", 4),
+         ("a2a+p2p", 4)]
+
+
+def analytic_bytes(comm: str, n: int, s: int, h: int, hkv: int, d: int, a: int = 1) -> int:
+    """Bytes one rank sends, forward + backward (fp32), by the definitions in comm.py."""
+    el = 4
+    local_kv = 2 * (s // n) * hkv * d
+    if comm == "p2p":
+        return el * ((n - 1) * local_kv + (n - 1) * local_kv + n * local_kv)
+    if comm == "all_gather":
+        return el * (local_kv + local_kv + n * local_kv)
+    if comm == "a2a":
+        a = n
+    hkv_rep = max(hkv, a)
+    tokens = s // n
+    q_part = tokens * h * d * (a - 1) // a
+    kv_part = 2 * tokens * hkv_rep * d * (a - 1) // a
+    a2a_total = 2 * (q_part + kv_part + q_part)  # q,k,v in + out back; mirrored in backward
+    p = n // a
+    ring_kv = 2 * (s // p) * (hkv_rep // a) * d
+    ring = (p - 1) * ring_kv + (p - 1) * ring_kv + (p * ring_kv if p > 1 else 0)
+    return el * (a2a_total + ring)
+
+
+def attention_entries(comm: str, n: int, s: int, rank: int, a: int) -> int:
+    """Score-matrix entries this rank computes (per head), from the block plan."""
+    p = n // a if comm in ("a2a", "a2a+p2p") else n
+    if comm == "a2a":
+        p = 1
+    pos = rank // a if comm in ("a2a", "a2a+p2p") else rank
+    layout = SeqLayout.dense(s // p, p, pos)
+    total = 0
+    for src in range(p):
+        block = plan_block(layout, layout.at(p, src), True)
+        rows = block.rows.stop - block.rows.start
+        cols = block.cols.stop - block.cols.start
+        total += rows * (rows + 1) // 2 if block.causal else rows * cols
+    heads_share = a if comm in ("a2a", "a2a+p2p") else 1
+    return total // heads_share
+
+
+def _groups(comm: str, n: int):
+    flat = [list(range(st, st + n)) for st in range(0, WORLD, n)]
+    if comm == "a2a+p2p":
+        per = [hierarchical_level_groups(g, [2, n // 2]) for g in flat]
+        return [new_groups([g for p in per for g in p[lvl]]) for lvl in range(2)], 2
+    return new_groups(flat), (n if comm == "a2a" else 1)
+
+
+def rank_run(comm: str, n: int, s: int, h: int, hkv: int, d: int, repeats: int):
+    """One rank: build groups, time forward + backward, count bytes."""
+    group, a = _groups(comm, n)
+    rank = dist.get_rank()
+    if rank >= n:  # only the first CP group is measured; the others wait
+        dist.barrier()
+        return None
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, s // n, h, d, generator=gen).requires_grad_()
+    k = torch.randn(1, s // n, hkv, d, generator=gen).requires_grad_()
+    v = torch.randn(1, s // n, hkv, d, generator=gen).requires_grad_()
+    dout = torch.randn(1, s // n, h, d, generator=gen)
+    best = float("inf")
+    for _ in range(repeats):
+        with CommCounter() as counter:
+            t0 = time.process_time()
+            out = context_parallel_attention(q, k, v, cp_comm_type=comm, cp_group=group)
+            out.backward(dout)
+            best = min(best, time.process_time() - t0)
+    dist.barrier()
+    return {"cpu_s": best, "bytes": counter.bytes(), "entries": attention_entries(comm, n, s,
+                                                                                  rank, a), "a": a}
+
+
+def baseline(s: int, h: int, hkv: int, d: int, repeats: int) -> float:
+    """Single-process SDPA forward + backward on the whole problem (CPU seconds, 1 thread)."""
+    if dist.get_rank() != 0:
+        return 0.0
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, s, d, generator=gen).requires_grad_()
+    k = torch.randn(1, hkv, s, d, generator=gen).requires_grad_()
+    v = torch.randn(1, hkv, s, d, generator=gen).requires_grad_()
+    dout = torch.randn(1, h, s, d, generator=gen)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=hkv != h)
+        out.backward(dout)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    s, h, hkv, d = args.seq, args.heads, args.kv_heads, args.dim
+    print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank")
+    rows = []
+    with LocalWorld(WORLD, timeout_s=1200) as world:
+        base = world.run(baseline, s, h, hkv, d, args.repeats)[0]
+        print(f"baseline: single-process SDPA fwd+bwd = {base:.3f} CPU s")
+        for comm, n in CASES:
+            res = [r for r in world.run(rank_run, comm, n, s, h, hkv, d, args.repeats) if r]
+            a = res[0]["a"] if comm != "a2a+p2p" else 2
+            expect = analytic_bytes(comm, n, s, h, hkv, d, a)
+            measured = max(r["bytes"] for r in res)
+            entries = [r["entries"] for r in res]
+            cpu = sum(r["cpu_s"] for r in res)
+            rows.append((comm, n, measured, expect, max(entries) / (sum(entries) / len(entries)),
+                         cpu, cpu / base))
+    header = (f"{'comm':<11} {'CP':>3} {'bytes/rank':>12} {'analytic':>12} {'ratio':>6} "
+              f"{'max/mean FLOPs':>15} {'CPU s (sum)':>12} {'inflation':>10}")
+    print(header)
+    print("-" * len(header))
+    for comm, n, measured, expect, balance, cpu, infl in rows:
+        print(f"{comm:<11} {n:>3} {measured:>12,} {expect:>12,} {measured / expect:>6.2f} "
+              f"{balance:>15.2f} {cpu:>12.3f} {infl:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
