@@ -94,6 +94,25 @@ def _verify_groups(args: argparse.Namespace) -> int:
     return 0 if not failures else 1
 
 
+def _patch_list(args: argparse.Namespace) -> int:
+    from .patching import ALL_PATCHES, is_applied, megatron_core_version
+
+    version = megatron_core_version()
+    print(f"megatron-core {version}")
+    print(f"{'patch':<26} {'category':<12} {'versions':<10} {'supported':<9} {'applied':<7} "
+          "summary")
+    for patch in ALL_PATCHES:
+        applied = "n/a" if patch.missing_requirement() else (
+            "yes" if is_applied(patch) else "no")
+        print(f"{patch.name:<26} {patch.category:<12} {','.join(patch.versions):<10} "
+              f"{'yes' if patch.supports(version) else 'no':<9} {applied:<7} {patch.summary}")
+        if args.verbose:
+            print(f"{'':<26} upstream: {patch.upstream}")
+            if patch.missing_requirement():
+                print(f"{'':<26} not applicable here: {patch.missing_requirement()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-comm-type", default="p2p", help="used when --hcp is empty")
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.set_defaults(func=_verify_groups)
+
+    patch = sub.add_parser("patch", help="runtime patches of megatron-core")
+    patch_sub = patch.add_subparsers(dest="patch_command", required=True)
+    p = patch_sub.add_parser("list", help="every patch, its upstream versions, applied or not")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the upstream lines")
+    p.set_defaults(func=_patch_list)
     return parser
 
 

@@ -21,7 +21,12 @@ from ..config import CPConfig, CPConfigError, Violation
 from .layout import ParallelLayout
 from .report import describe_cp_groups
 
-__all__ = ["LayoutMismatchError", "destroy_model_parallel", "initialize_model_parallel"]
+__all__ = [
+    "LayoutMismatchError",
+    "destroy_model_parallel",
+    "forget_cp_groups",
+    "initialize_model_parallel",
+]
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -136,8 +141,21 @@ def initialize_model_parallel(
     return layout
 
 
+def forget_cp_groups(ps: Any) -> None:
+    """Clear the CP globals megatron-core 0.16.1's ``destroy_model_parallel`` leaves behind.
+
+    Without this, a re-initialization without HCP still returns the destroyed hierarchical
+    groups from ``get_hierarchical_context_parallel_groups`` (and stale hybrid DPxCP groups).
+    """
+    ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    hybrid = getattr(ps, "_HYBRID_DP_CP_GROUPS", None)
+    if isinstance(hybrid, dict):
+        hybrid.clear()
+
+
 def destroy_model_parallel() -> None:
-    """megatron's ``destroy_model_parallel`` (kept here so callers need one import)."""
+    """megatron's ``destroy_model_parallel``, then :func:`forget_cp_groups`."""
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+    forget_cp_groups(ps)

@@ -1,6 +1,6 @@
 """Pure-PyTorch context-parallel attention: p2p, all_gather, a2a, a2a+p2p; bshd, sbhd, thd."""
 
-from .api import context_parallel_attention
+from .api import context_parallel_attention, local_attention
 from .comm import CommCounter, CommRecord
 from .oracle import full_attention
 from .sharding import (
@@ -20,6 +20,7 @@ __all__ = [
     "context_parallel_attention",
     "full_attention",
     "gather_from_cp",
+    "local_attention",
     "get_local_chunk",
     "pad_thd",
     "thd_partition_indices",

@@ -35,7 +35,7 @@ from .sharding import (
     seq_lengths,
 )
 
-__all__ = ["context_parallel_attention"]
+__all__ = ["context_parallel_attention", "local_attention"]
 
 Group = dist.ProcessGroup | None
 
@@ -129,13 +129,41 @@ def context_parallel_attention(
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
+    return _attention(
+        q, k, v, cp_comm_type, _groups(cp_comm_type, cp_group), causal, qkv_format,
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
+    )
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    qkv_format: str = "bshd",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_kv_padded: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The same attention without CP (one rank holds whole sequences); no communication."""
+    return _attention(
+        q, k, v, "p2p", (None, None, 1, 1, 0), causal, qkv_format,
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
+    )
+
+
+def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+               cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
     expected_dims = 3 if qkv_format == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != expected_dims:
             raise CPAttentionError(f"{name} has {t.dim()} dims; {qkv_format} needs {expected_dims}")
-    a2a_group, ring_group, a, p, flat = _groups(cp_comm_type, cp_group)
+    a2a_group, ring_group, a, p, flat = groups
     n = a * p
     qh, kh, vh = (_to_bhsd(t, qkv_format) for t in (q, k, v))
     if not (qh.shape[2] == kh.shape[2] == vh.shape[2] and kh.shape[:2] == vh.shape[:2]):
@@ -185,9 +213,7 @@ def context_parallel_attention(
     if cp_comm_type == "all_gather":
         out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale)
     else:
-        ranks = dist.get_process_group_ranks(ring_group) if ring_group is not None else [
-            dist.get_rank()
-        ]
+        ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
         out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale)
     if a > 1:
         out = HeadsToSeq.apply(out, a2a_group, perm, inv)

@@ -1,0 +1,133 @@
+"""Which CP group(s) a core-attention call uses: one pure decision for TE and the reference path.
+
+Order of precedence:
+
+1. dynamic CP: ``packed_seq_params.local_cp_size`` / ``packed_seq_params.cp_group`` set by the
+   dynamic-CP data path for this micro-batch (``local_cp_size == 1`` means no CP for it);
+2. ``a2a+p2p``: ``pg_collection.hcp`` (never megatron's global hierarchical groups);
+3. otherwise ``pg_collection.cp``.
+
+A configuration with CP > 1 that would end up running without a CP group raises
+:class:`SilentCPOffError` instead of silently attending only to the local chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["CPGroups", "SilentCPOffError", "resolve_cp_groups", "te_cp_kwargs"]
+
+
+class SilentCPOffError(RuntimeError):
+    """CP is configured but the attention would run with CP off (wrong gradients)."""
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The CP setup of one attention call.
+
+    ``group`` is a process group, or ``[a2a_group, p2p_group]`` for ``a2a+p2p``; ``flat_group`` is
+    the flat CP group (its rank order is every rank's CP position); ``size`` 1 means no CP.
+    """
+
+    comm_type: str
+    group: Any
+    flat_group: Any
+    size: int
+    dynamic: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+def _size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def resolve_cp_groups(
+    context_parallel_size: int,
+    cp_comm_type: str | None,
+    pg_collection: Any,
+    packed_seq_params: Any = None,
+) -> CPGroups:
+    """Decide the CP groups of one attention call; see the module docstring."""
+    comm = cp_comm_type or "p2p"
+    local = getattr(packed_seq_params, "local_cp_size", None)
+    dyn_group = getattr(packed_seq_params, "cp_group", None)
+    if local is not None or dyn_group is not None:
+        if local == 1 and dyn_group is None:
+            return CPGroups(comm, None, None, 1, dynamic=True)
+        if dyn_group is None:
+            raise SilentCPOffError(
+                f"packed_seq_params.local_cp_size={local} but packed_seq_params.cp_group is None: "
+                "dynamic CP must hand over the micro-batch's CP group (local_cp_size 1 alone "
+                "means no CP)"
+            )
+        size = _size(dyn_group)
+        if local is not None and local != size:
+            raise SilentCPOffError(
+                f"packed_seq_params.local_cp_size={local} but its cp_group has {size} ranks"
+            )
+        if comm == "a2a+p2p":
+            raise SilentCPOffError(
+                "dynamic CP hands over flat per-micro-batch groups; a2a+p2p needs hierarchical "
+                "groups. Use cp_comm_type p2p, a2a or all_gather with dynamic CP"
+            )
+        return CPGroups(comm, dyn_group, dyn_group, size, dynamic=True)
+
+    if context_parallel_size <= 1:
+        return CPGroups(comm, None, None, 1)
+    flat = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if comm == "a2a+p2p":
+        hcp = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+        if not hcp or len(hcp) != 2 or any(g is None for g in hcp):
+            raise SilentCPOffError(
+                f"cp_comm_type=a2a+p2p with context_parallel_size={context_parallel_size} but "
+                f"pg_collection.hcp is {hcp!r}: the hierarchical CP groups [a2a, p2p] are "
+                "missing, so attention would run with CP off. Build them with "
+                "megatron_hcp.parallel_state (MPU path) or megatron_hcp.bridge.create_pg_collection"
+            )
+        size = _size(hcp[0]) * _size(hcp[1])
+        if size != context_parallel_size:
+            raise SilentCPOffError(
+                f"pg_collection.hcp spans {size} ranks but context_parallel_size="
+                f"{context_parallel_size}"
+            )
+        return CPGroups(comm, list(hcp), flat, size)
+    if flat is None:
+        raise SilentCPOffError(
+            f"context_parallel_size={context_parallel_size} but pg_collection.cp is missing: "
+            "attention would run with CP off. Initialize the CP groups before building the model"
+        )
+    size = _size(flat)
+    if size != context_parallel_size:
+        raise SilentCPOffError(
+            f"pg_collection.cp has {size} ranks but context_parallel_size={context_parallel_size}"
+        )
+    return CPGroups(comm, flat, flat, size)
+
+
+def te_cp_kwargs(groups: CPGroups, cp_stream: Any) -> dict[str, Any]:
+    """Arguments for TE's ``DotProductAttention.set_context_parallel_group``.
+
+    TE takes the flat CP ranks as ``cp_global_ranks`` and, for a2a+p2p, the list of level
+    groups as ``cp_group``. No CP: every field None (TE's own way of switching CP off).
+    """
+    if not groups.enabled:
+        return {"cp_group": None, "cp_global_ranks": None, "cp_stream": None,
+                "cp_comm_type": groups.comm_type}
+    if groups.flat_group is None:
+        raise SilentCPOffError(
+            "Transformer Engine needs the flat CP group's ranks (cp_global_ranks) next to the "
+            "hierarchical groups; pg_collection.cp is missing"
+        )
+    return {
+        "cp_group": groups.group,
+        "cp_global_ranks": dist.get_process_group_ranks(groups.flat_group),
+        "cp_stream": cp_stream,
+        "cp_comm_type": groups.comm_type,
+    }

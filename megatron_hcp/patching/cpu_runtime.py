@@ -1,0 +1,304 @@
+"""CPU/gloo runtime for megatron-core: what it needs to build and train GPT models without CUDA.
+
+Most CUDA references in megatron-core sit inside large functions (schedules, p2p communication,
+DDP buffers). Rather than rewriting those, each patch gives *one upstream module* a CPU view of
+``torch`` (:class:`CpuDeviceTorch`): inside that module, ``torch.cuda.current_device()`` is the
+CPU device, tensor factories asked for ``device="cuda"`` allocate on the CPU, CUDA streams and
+``synchronize`` are no-ops and the CUDA RNG is the CPU generator. Nothing else in the process
+sees a changed torch. Small functions that call ``Tensor.cuda()`` are replaced outright.
+
+Apply with :func:`apply_cpu_runtime` (only when CUDA is unavailable, unless forced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .registry import Patch, Target, apply, revert
+
+__all__ = ["CPU_RUNTIME_PATCHES", "CpuDeviceTorch", "apply_cpu_runtime", "revert_cpu_runtime"]
+
+VERSIONS = ("0.16.1",)
+_FACTORIES = frozenset(
+    "empty zeros ones full tensor as_tensor arange rand randn randint randperm eye linspace "
+    "empty_like zeros_like ones_like full_like".split()
+)
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _factory_on_cpu(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _NoStream:
+    """Stand-in for a CUDA stream/event on the CPU: ordering is already sequential."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoStream:
+        return self
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuCuda:
+    """``torch.cuda`` as seen by a patched module."""
+
+    Stream = _NoStream
+    Event = _NoStream
+
+    def __init__(self, real: Any):
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def default_stream(*args: Any) -> _NoStream:
+        return _NoStream()
+
+    current_stream = default_stream
+
+    @staticmethod
+    def get_rng_state(*args: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, *args: Any) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.random.default_generator.manual_seed(seed)
+
+
+class CpuDeviceTorch:
+    """The ``torch`` module as one megatron-core module sees it under the CPU runtime."""
+
+    def __init__(self, real: Any):
+        self._real = real
+        self.cuda = _CpuCuda(real.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        return _factory_on_cpu(attr) if name in _FACTORIES else attr
+
+
+def _torch_view(module: str, upstream: str, name: str, summary: str) -> Patch:
+    return Patch(
+        name=name,
+        summary=summary,
+        upstream=upstream,
+        versions=VERSIONS,
+        targets=(Target(module, "torch", CpuDeviceTorch),),
+        category="cpu-runtime",
+    )
+
+
+def _make_pos_emb_on_cp_rank(original):
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        """The positional embedding of this CP rank's two chunks (no pinned/CUDA index)."""
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=pos_emb.device)
+        chunked = pos_emb.view(
+            *pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :]
+        )
+        mine = chunked.index_select(seq_dim, index)
+        return mine.view(*mine.shape[:seq_dim], -1, *mine.shape[seq_dim + 2 :])
+
+    return get_pos_emb_on_this_cp_rank
+
+
+def _make_rng_get(original):
+    def _get_cuda_rng_state(device=-1, clone=False, graph_safe=False):
+        """The 'device' RNG state is the CPU generator's under the CPU runtime."""
+        return torch.get_rng_state()
+
+    return _get_cuda_rng_state
+
+
+def _make_rng_set(original):
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return _set_cuda_rng_state
+
+
+def _make_embedding_sync(original):
+    def setup_embeddings_and_output_layer(self):
+        """Upstream, but the tied-embedding all-reduce runs where the weight lives."""
+        real_cuda = torch.Tensor.cuda
+        try:
+            # LanguageModule moves the tied weight with Tensor.cuda() before its all-reduce;
+            # during this call only, that move is the identity on a CPU tensor.
+            torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+            return original(self)
+        finally:
+            torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
+
+    return setup_embeddings_and_output_layer
+
+
+_ROPE = "megatron.core.models.common.embeddings"
+
+CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
+    _torch_view(
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron/core/pipeline_parallel/schedules.py:596,2138 torch.zeros(..., device='cuda')",
+        "cpu-schedules-device",
+        "pipeline schedules allocate their token counters on the CPU",
+    ),
+    _torch_view(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "megatron/core/pipeline_parallel/p2p_communication.py:190-202,242,313,321,398 "
+        "torch.cuda.current_device() buffers and torch.cuda.synchronize()",
+        "cpu-p2p-device",
+        "pipeline p2p receive buffers on the CPU; CUDA synchronize is a no-op",
+    ),
+    _torch_view(
+        "megatron.core.utils",
+        "megatron/core/utils.py:631 GlobalMemoryBuffer.get_tensor torch.cuda.current_device()",
+        "cpu-global-memory-buffer",
+        "the global memory buffer allocates on the CPU",
+    ),
+    _torch_view(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron/core/distributed/param_and_grad_buffer.py:417,422,529 CUDA streams; "
+        "768-806 buffers on torch.cuda.current_device()",
+        "cpu-ddp-buffers",
+        "DDP parameter/gradient buffers on the CPU; communication streams are no-ops",
+    ),
+    _torch_view(
+        f"{_ROPE}.rotary_pos_embedding",
+        "megatron/core/models/common/embeddings/rotary_pos_embedding.py:162 "
+        "inv_freq.to(torch.cuda.current_device())",
+        "cpu-rope-device",
+        "RoPE frequencies stay on the CPU",
+    ),
+    _torch_view(
+        "megatron.core.transformer.utils",
+        "megatron/core/transformer/utils.py:35,41 causal / sliding-window masks on device='cuda' "
+        "(also reached through fusions/fused_softmax, which imports them by value)",
+        "cpu-attention-masks",
+        "default causal and sliding-window masks on the CPU",
+    ),
+    _torch_view(
+        "megatron.core.optimizer.optimizer",
+        "megatron/core/optimizer/optimizer.py:473,481,485,907,1141 scalars on device='cuda'",
+        "cpu-optimizer-device",
+        "optimizer loss-scale and overflow scalars on the CPU",
+    ),
+    _torch_view(
+        "megatron.core.optimizer.clip_grads",
+        "megatron/core/optimizer/clip_grads.py:90,103,115,174,207 norms and counters on "
+        "device='cuda'",
+        "cpu-grad-norm-device",
+        "gradient norm and zero counting on the CPU",
+    ),
+    Patch(
+        name="cpu-rope-cp-index",
+        summary="RoPE CP slicing without pinned memory or .cuda()",
+        upstream="megatron/core/models/common/embeddings/rope_utils.py:62-64 "
+        "get_pos_emb_on_this_cp_rank (imported by value in rotary_pos_embedding.py and "
+        "yarn_rotary_pos_embedding.py)",
+        versions=VERSIONS,
+        targets=(
+            Target(f"{_ROPE}.rope_utils", "get_pos_emb_on_this_cp_rank",
+                   _make_pos_emb_on_cp_rank),
+            Target(f"{_ROPE}.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+                   _make_pos_emb_on_cp_rank),
+            Target(f"{_ROPE}.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+                   _make_pos_emb_on_cp_rank),
+        ),
+        category="cpu-runtime",
+    ),
+    Patch(
+        name="cpu-rng-tracker",
+        summary="the model-parallel RNG tracker keeps its streams in the CPU generator",
+        upstream="megatron/core/tensor_parallel/random.py:235-242 CudaRNGStatesTracker.add/fork "
+        "(torch.cuda.get_rng_state / manual_seed, _get_cuda_rng_state, _set_cuda_rng_state)",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.tensor_parallel.random", "torch", CpuDeviceTorch),
+            Target("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _make_rng_get),
+            Target("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _make_rng_set),
+        ),
+        category="cpu-runtime",
+    ),
+    Patch(
+        name="cpu-tied-embedding-sync",
+        summary="PP>1 tied embeddings are all-reduced where they live",
+        upstream="megatron/core/models/common/language_module/language_module.py:244 "
+        "weight.data.cuda()",
+        versions=VERSIONS,
+        targets=(
+            Target(
+                "megatron.core.models.common.language_module.language_module",
+                "LanguageModule.setup_embeddings_and_output_layer",
+                _make_embedding_sync,
+            ),
+        ),
+        category="cpu-runtime",
+    ),
+)
+
+
+def apply_cpu_runtime(force: bool = False) -> list[str]:
+    """Apply every CPU-runtime patch when CUDA is unavailable (or ``force``); return names."""
+    if torch.cuda.is_available() and not force:
+        return []
+    return apply(CPU_RUNTIME_PATCHES)
+
+
+def revert_cpu_runtime() -> list[str]:
+    return revert(CPU_RUNTIME_PATCHES)

@@ -1,0 +1,158 @@
+"""Named, version-gated, revertible runtime patches of megatron-core.
+
+A :class:`Patch` replaces named attributes (functions, methods, class attributes) of
+megatron-core modules. It applies only to the upstream versions it was written for; anything
+else is refused with a message. The original is kept on the replacement itself
+(``__megatron_hcp_original__``), so the patched objects carry their own state and revert is exact.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Patch",
+    "PatchError",
+    "Target",
+    "apply",
+    "is_applied",
+    "megatron_core_version",
+    "revert",
+]
+
+_ORIGINAL = "__megatron_hcp_original__"
+_NAME = "__megatron_hcp_patch__"
+
+
+class PatchError(RuntimeError):
+    """A patch cannot be applied (unsupported version, missing target, already patched)."""
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+@dataclass(frozen=True)
+class Target:
+    """``module:qualname`` to replace; ``make(original)`` returns the replacement."""
+
+    module: str
+    qualname: str
+    make: Callable[[Any], Any]
+
+    def owner_and_attr(self) -> tuple[Any, str]:
+        owner: Any = importlib.import_module(self.module)
+        *path, attr = self.qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, attr):
+            raise PatchError(f"{self.module}:{self.qualname} does not exist in this megatron-core")
+        return owner, attr
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One named change of megatron-core behaviour.
+
+    ``upstream`` names the file and line(s) it replaces; ``versions`` the megatron-core releases it
+    was written and tested for.
+    """
+
+    name: str
+    summary: str
+    upstream: str
+    versions: tuple[str, ...]
+    targets: tuple[Target, ...] = field(repr=False)
+    category: str = "integration"
+    requires_te: bool = False
+
+    def supports(self, version: str | None = None) -> bool:
+        return (version or megatron_core_version()) in self.versions
+
+    def missing_requirement(self) -> str | None:
+        """Why the patch cannot apply on this machine, or None."""
+        if self.requires_te:
+            from megatron.core.extensions import transformer_engine as te_ext
+
+            if not getattr(te_ext, "HAVE_TE", False):
+                return "needs Transformer Engine, which is not installed here"
+        return None
+
+
+def _current(target: Target) -> Any:
+    owner, attr = target.owner_and_attr()
+    value = _raw(owner, attr)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+def is_applied(patch: Patch) -> bool:
+    """True when every target currently holds this patch's replacement."""
+    if patch.missing_requirement():
+        return False
+    return all(getattr(_current(t), _NAME, None) == patch.name for t in patch.targets)
+
+
+def _raw(owner: Any, attr: str) -> Any:
+    """The attribute as stored (keeps staticmethod/classmethod wrappers)."""
+    return owner.__dict__[attr] if attr in getattr(owner, "__dict__", {}) else getattr(owner, attr)
+
+
+def apply(patches: Iterable[Patch], version: str | None = None) -> list[str]:
+    """Apply ``patches`` (all or nothing); return the names newly applied.
+
+    Raises :class:`PatchError` before changing anything if a patch does not support the
+    installed megatron-core version or a target is missing.
+    """
+    version = version or megatron_core_version()
+    todo = [p for p in patches if not is_applied(p)]
+    for patch in todo:
+        if not patch.supports(version):
+            raise PatchError(
+                f"patch {patch.name!r} was written for megatron-core {', '.join(patch.versions)}, "
+                f"not {version}; refusing to change an upstream version it was not tested "
+                "against"
+            )
+        missing = patch.missing_requirement()
+        if missing:
+            raise PatchError(f"patch {patch.name!r} {missing}")
+        for target in patch.targets:
+            target.owner_and_attr()
+    done: list[tuple[Any, str, Any]] = []
+    try:
+        for patch in todo:
+            for target in patch.targets:
+                owner, attr = target.owner_and_attr()
+                original = _raw(owner, attr)
+                replacement = target.make(getattr(owner, attr))
+                inner = replacement.__func__ if isinstance(
+                    replacement, (staticmethod, classmethod)) else replacement
+                setattr(inner, _ORIGINAL, original)
+                setattr(inner, _NAME, patch.name)
+                setattr(owner, attr, replacement)
+                done.append((owner, attr, original))
+    except Exception:
+        for owner, attr, original in reversed(done):
+            setattr(owner, attr, original)
+        raise
+    return [p.name for p in todo]
+
+
+def revert(patches: Iterable[Patch]) -> list[str]:
+    """Restore the originals of applied ``patches`` (reverse order); return the names."""
+    reverted = []
+    for patch in reversed(list(patches)):
+        if not is_applied(patch):
+            continue
+        for target in reversed(patch.targets):
+            owner, attr = target.owner_and_attr()
+            current = _raw(owner, attr)
+            inner = current.__func__ if isinstance(current, (staticmethod, classmethod)) else (
+                current)
+            setattr(owner, attr, getattr(inner, _ORIGINAL))
+        reverted.append(patch.name)
+    return reverted

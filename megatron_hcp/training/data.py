@@ -1,0 +1,68 @@
+"""Deterministic mock data for tiny GPT runs, cut for data and context parallelism.
+
+Every rank draws the same global batch from ``(seed, step)``, so TP ranks need no broadcast and
+runs with different parallel layouts see identical data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.reference.sharding import get_local_chunk
+
+__all__ = ["MicroBatch", "global_batch", "static_cp_micro_batches"]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as the model sees it (already sliced for this CP rank)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: object = None
+
+
+def global_batch(seed: int, step: int, batch: int, seq_length: int, vocab: int
+                 ) -> dict[str, torch.Tensor]:
+    """``batch`` rows of ``seq_length`` tokens (inputs, labels shifted by one, loss mask)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    # A learnable signal: each row repeats a short random motif, with noise.
+    period = 7
+    motif = torch.randint(0, vocab, (batch, period), generator=gen)
+    text = motif.repeat(1, seq_length // period + 2)[:, : seq_length + 1]
+    noise = torch.rand(text.shape, generator=gen) < 0.1
+    text = torch.where(noise, torch.randint(0, vocab, text.shape, generator=gen), text)
+    loss_mask = torch.ones(batch, seq_length)
+    loss_mask[:, :2] = 0.0  # a few masked tokens keep the per-token reduction honest
+    return {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": loss_mask}
+
+
+def static_cp_micro_batches(
+    data: dict[str, torch.Tensor],
+    *,
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    cp_size: int,
+    cp_rank: int,
+) -> list[MicroBatch]:
+    """This DP rank's micro-batches, each cut to this CP rank's load-balanced chunks."""
+    rows = data["tokens"].shape[0]
+    per_dp = rows // dp_size
+    mine = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    seq = data["tokens"].shape[1]
+    positions = torch.arange(seq).expand(rows, seq)
+
+    def cut(x: torch.Tensor, part: slice) -> torch.Tensor:
+        return get_local_chunk(x[part], cp_size, cp_rank, "bshd") if cp_size > 1 else x[part]
+
+    out = []
+    for start in range(mine.start, mine.stop, micro_batch_size):
+        part = slice(start, start + micro_batch_size)
+        out.append(MicroBatch(*(cut(x, part) for x in (
+            data["tokens"], data["labels"], data["loss_mask"], positions))))
+    return out

@@ -1,0 +1,226 @@
+"""Train a tiny megatron-core GPT with megatron's own schedule, DDP and optimizer (any backend).
+
+``train_tiny_gpt(spec)`` runs on every rank of an initialized world whose model-parallel
+groups are set (MPU path) or passed as ``pg_collection`` (decentralized path). It returns, on
+every rank, the per-step ``lm loss`` (per-token mean over the global batch) and gradient norm, so
+runs with different parallel layouts can be compared step by step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..attention.module import gpt_layer_spec
+from .data import global_batch, static_cp_micro_batches
+
+__all__ = ["TinyGPTSpec", "train_tiny_gpt"]
+
+
+@dataclass
+class TinyGPTSpec:
+    """Model, data and parallel settings of a tiny GPT run (sizes are megatron's)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    vocab_size: int = 128
+    seq_length: int = 64
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    steps: int = 3
+    lr: float = 1e-3
+    seed: int = 1234
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    attention_backend: str = "reference"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def _transformer_config(spec: TinyGPTSpec):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        tensor_model_parallel_size=spec.tensor_model_parallel_size,
+        pipeline_model_parallel_size=spec.pipeline_model_parallel_size,
+        context_parallel_size=spec.context_parallel_size,
+        cp_comm_type=spec.cp_comm_type,
+        hierarchical_context_parallel_sizes=spec.hierarchical_context_parallel_sizes,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,
+        batch_p2p_sync=False,
+        deallocate_pipeline_outputs=False,
+        **spec.extra_config,
+    )
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), tokens.float()])
+    return loss, tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   packed_seq_params=batch.packed_seq_params)
+    return output, partial(_loss_func, batch.loss_mask)
+
+
+def _global_param_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters keyed by a name that does not depend on the pipeline layout."""
+    names: dict[str, torch.nn.Parameter] = {}
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    layer_params = set()
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            names[f"layer{layer.layer_number}.{name}"] = param
+            layer_params.add(id(param))
+    for name, param in model.named_parameters():
+        if id(param) not in layer_params:
+            names[name] = param
+    return names
+
+
+def deterministic_init(model: torch.nn.Module, seed: int, tp_rank: int, tp_size: int,
+                       std: float = 0.02) -> None:
+    """Re-draw every matrix from a seed tied to its global name, then take this TP shard.
+
+    The model is then the same whatever the TP/PP/CP layout (megatron's own init depends on
+    the pipeline stage); vectors keep megatron's constant init (norm weights 1, biases 0).
+    """
+    import zlib
+
+    with torch.no_grad():
+        for name, param in _global_param_names(model).items():
+            if param.dim() < 2:
+                continue
+            shape = list(param.shape)
+            split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+            dim = getattr(param, "partition_dim", 0)
+            if split:
+                shape[dim] *= tp_size
+            gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(name.encode()))
+            full = torch.randn(shape, generator=gen, dtype=torch.float64) * std
+            if split:
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
+            param.copy_(full.to(param.dtype))
+
+
+def _groups(pg_collection):
+    if pg_collection is not None:
+        return pg_collection
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, list[float]]:
+    """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...]}``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    pgs = _groups(pg_collection)
+    config = _transformer_config(spec)
+    torch.manual_seed(spec.seed)
+    model_parallel_cuda_manual_seed(spec.seed)
+    pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(spec.attention_backend),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        position_embedding_type="rope",
+        pg_collection=pg_collection,
+    )
+    deterministic_init(model, spec.seed, pgs.tp.rank(), pgs.tp.size())
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                    pg_collection=pg_collection)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=0.0, clip_grad=0.0,
+                        use_distributed_optimizer=False),
+        [model],
+        use_gloo_process_groups=False,
+        pg_collection=pg_collection,
+    )
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
+
+    dp_size, dp_rank = pgs.dp.size(), pgs.dp.rank()
+    cp_size, cp_rank = pgs.cp.size(), pgs.cp.rank()
+    forward_backward = get_forward_backward_func()
+    history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    rows = spec.global_batch_size
+    if rows % (spec.micro_batch_size * dp_size):
+        raise ValueError(
+            f"global_batch_size={rows} must be a multiple of micro_batch_size*dp="
+            f"{spec.micro_batch_size * dp_size}"
+        )
+    num_micro_batches = rows // (spec.micro_batch_size * dp_size)
+    for step in range(spec.steps):
+        data = global_batch(spec.seed, step, rows, spec.seq_length, spec.vocab_size)
+        micro = static_cp_micro_batches(
+            data, dp_size=dp_size, dp_rank=dp_rank, micro_batch_size=spec.micro_batch_size,
+            cp_size=cp_size, cp_rank=cp_rank,
+        )
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=num_micro_batches,
+            seq_length=spec.seq_length,
+            micro_batch_size=spec.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        history["loss"].append(_global_loss(reports, pgs))
+        history["grad_norm"].append(float(grad_norm))
+    return history
+
+
+def _global_loss(reports: list[dict], pgs: Any) -> float:
+    """Per-token loss over the global batch, on every rank (last PP stage broadcasts)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        total += report["lm loss"].double()
+    dist.all_reduce(total, group=pgs.dp_cp)
+    if pgs.pp.size() > 1:
+        last = dist.get_process_group_ranks(pgs.pp)[-1]
+        dist.broadcast(total, src=last, group=pgs.pp)
+    return float(total[0] / total[1])

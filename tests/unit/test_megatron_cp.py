@@ -1,0 +1,261 @@
+"""Real megatron-core GPT models trained with CP on 4 gloo ranks equal the CP=1 run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hcp.local_world import RankError
+from tests.conftest import local_world
+
+WORLD = 4
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world():
+    with local_world(WORLD) as w:
+        yield w
+
+
+def train(tp, cp, pp, comm, hcp, steps=3):
+    """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer."""
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import apply_cpu_runtime
+    from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
+
+    apply_cpu_runtime()
+    initialize_model_parallel(
+        CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
+                 pipeline_model_parallel_size=pp, data_parallel_size=WORLD // (tp * cp * pp),
+                 cp_comm_type=comm, hierarchical_context_parallel_sizes=hcp,
+                 num_attention_heads=4, num_query_groups=2, seq_length=64),
+        create_gloo_process_groups=False,
+    )
+    try:
+        return train_tiny_gpt(TinyGPTSpec(
+            num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
+            tensor_model_parallel_size=tp, context_parallel_size=cp,
+            pipeline_model_parallel_size=pp, cp_comm_type=comm,
+            hierarchical_context_parallel_sizes=hcp))
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def baseline(world):
+    runs = world.run(train, 1, 1, 1, "p2p", None)
+    assert all(r == runs[0] for r in runs)
+    return runs[0]
+
+
+CASES = [
+    # (tp, cp, pp, comm, hcp)
+    (1, 2, 1, "p2p", None),
+    (1, 2, 1, "all_gather", None),
+    (1, 2, 1, "a2a", None),
+    (1, 2, 1, "a2a+p2p", [2, 1]),
+    (1, 4, 1, "p2p", None),
+    (1, 4, 1, "all_gather", None),
+    (1, 4, 1, "a2a", None),
+    (1, 4, 1, "a2a+p2p", [2, 2]),
+    (2, 2, 1, "p2p", None),
+    (2, 2, 1, "a2a", None),
+    (1, 2, 2, "p2p", None),
+    (1, 2, 2, "a2a+p2p", [2, 1]),
+]
+
+
+@pytest.mark.parametrize("tp, cp, pp, comm, hcp", CASES)
+def test_cp_training_equals_cp1(world, baseline, tp, cp, pp, comm, hcp):
+    runs = world.run(train, tp, cp, pp, comm, hcp)
+    for rank, run in enumerate(runs):
+        for key in ("loss", "grad_norm"):
+            got, want = torch.tensor(run[key]), torch.tensor(baseline[key])
+            rel = ((got - want).abs() / want.abs()).max().item()
+            assert rel <= RTOL, (rank, key, run[key], baseline[key])
+    # the model really trains (the check would be empty on a frozen model)
+    assert baseline["loss"][0] != baseline["loss"][-1]
+
+
+# ---------------------------------------------------------------- silent CP-off guard
+def upstream_failure_without_hierarchical_groups():
+    """megatron initialized with CP=4 but no hierarchical groups, model asks for a2a+p2p."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hcp.attention.groups import SilentCPOffError
+    from megatron_hcp.attention.module import ReferenceCPAttention
+    from megatron_hcp.patching import apply_cpu_runtime
+
+    apply_cpu_runtime()
+    ps.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                   context_parallel_size=4, cp_comm_type="a2a+p2p",
+                                   hierarchical_context_parallel_sizes=[2, 2],
+                                   attention_dropout=0.0, use_cpu_initialization=True)
+        assert ps.get_hierarchical_context_parallel_groups(check_initialized=False) is None
+        try:
+            ReferenceCPAttention(config, 1, AttnMaskType.causal, "self",
+                                 cp_comm_type="a2a+p2p")
+        except SilentCPOffError as err:
+            return str(err)
+        return None
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_silent_cp_off_guard_fires(world):
+    for message in world.run(upstream_failure_without_hierarchical_groups):
+        assert message is not None
+        assert "pg_collection.hcp is None" in message and "CP off" in message
+
+
+def resolution_cases():
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hcp.attention.groups import SilentCPOffError, resolve_cp_groups
+
+    full = dist.new_group(list(range(WORLD)))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[dist.get_rank() // 2]
+    stride = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    other = stride[dist.get_rank() % 2]
+    pgc = SimpleNamespace(cp=full, hcp=[mine, other])
+    out = {}
+    g = resolve_cp_groups(4, "a2a+p2p", pgc)
+    out["hcp"] = (g.group == [mine, other], g.flat_group is full, g.size)
+    g = resolve_cp_groups(4, "p2p", pgc)
+    out["flat"] = (g.group is full, g.size)
+    g = resolve_cp_groups(4, "p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=2))
+    out["dynamic"] = (g.group is mine, g.size, g.dynamic)
+    g = resolve_cp_groups(4, "p2p", pgc, PackedSeqParams(local_cp_size=1))
+    out["dynamic_off"] = (g.enabled, g.dynamic)
+    errors = []
+    for args in [(4, "p2p", SimpleNamespace(cp=None)),
+                 (4, "p2p", SimpleNamespace(cp=mine)),
+                 (4, "a2a+p2p", SimpleNamespace(cp=full, hcp=None)),
+                 (4, "p2p", pgc, PackedSeqParams(local_cp_size=2)),
+                 (4, "p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=4)),
+                 (4, "a2a+p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=2))]:
+        try:
+            resolve_cp_groups(*args)
+            errors.append(None)
+        except SilentCPOffError as err:
+            errors.append(str(err))
+    out["errors"] = errors
+    return out
+
+
+def test_cp_group_resolution(world):
+    result = world.run(resolution_cases)[0]
+    assert result["hcp"] == (True, True, 4)
+    assert result["flat"] == (True, 4)
+    assert result["dynamic"] == (True, 2, True)
+    assert result["dynamic_off"] == (False, True)
+    fragments = ["pg_collection.cp is missing", "has 2 ranks but context_parallel_size=4",
+                 "pg_collection.hcp is None", "cp_group is None", "its cp_group has 2 ranks",
+                 "a2a+p2p needs hierarchical groups"]
+    for fragment, message in zip(fragments, result["errors"]):
+        assert message is not None and fragment in message, (fragment, message)
+
+
+# ---------------------------------------------------------------- TE wrapper contract
+class RecordingTE:
+    """Stand-in for TE's DotProductAttention *base*: records what our wrappers hand to TE.
+
+    This checks the wrappers' contract (arguments, order, restore); it does not run TE.
+    """
+
+    cp_stream = None
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type="p2p",
+                 pg_collection=None):
+        self.built_with_cp = config.context_parallel_size
+        self.calls = []
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type):
+        self.calls.append((cp_group, cp_global_ranks, cp_stream, cp_comm_type))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                packed_seq_params=None):
+        return self.calls[-1], packed_seq_params
+
+
+def te_contract():
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hcp.attention.module import make_te_forward, make_te_init
+
+    full = dist.new_group(list(range(WORLD)))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[dist.get_rank() // 2]
+    stride = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    other = stride[dist.get_rank() % 2]
+    cls = type("Wrapped", (RecordingTE,), {"__init__": make_te_init(RecordingTE.__init__),
+                                            "forward": make_te_forward(RecordingTE.forward)})
+    pgc = SimpleNamespace(tp=None, cp=full, hcp=[mine, other])
+    cls.cp_stream = "stream"  # a real TE run creates torch.cuda.Stream() lazily here
+    config = SimpleNamespace(context_parallel_size=4)
+    module = cls(config, 1, None, "self", cp_comm_type="a2a+p2p", pg_collection=pgc)
+    assert module.built_with_cp == 1 and module.config is config
+    group, ranks, stream, comm = module.calls[-1]
+    assert group == [mine, other] and ranks == [0, 1, 2, 3] and stream == "stream"
+    assert comm == "a2a+p2p"
+    module = cls(config, 1, None, "self", cp_comm_type="p2p", pg_collection=pgc)
+    params = PackedSeqParams(qkv_format="thd", cp_group=mine, local_cp_size=2)
+    (seen, handed) = module.forward(None, None, None, None, None, packed_seq_params=params)
+    assert seen[0] is mine and seen[1] == dist.get_process_group_ranks(mine)
+    assert handed.cp_group is None and handed.local_cp_size is None  # TE won't switch again
+    assert params.cp_group is mine  # the caller's params are untouched
+    assert module.calls[-1][0] is full  # restored after forward
+    off = module.forward(None, None, None, None, None,
+                         packed_seq_params=PackedSeqParams(qkv_format="thd", local_cp_size=1))[0]
+    assert off == (None, None, None, "p2p")
+    lazy = type("Lazy", (RecordingTE,), {"__init__": make_te_init(RecordingTE.__init__)})
+    lazy(SimpleNamespace(context_parallel_size=1), 1, None, "self", pg_collection=pgc)
+    assert lazy.cp_stream is None  # no stream without CP
+    return True
+
+
+def test_te_wrappers_hand_te_the_resolved_groups_and_restore(world):
+    assert world.run(te_contract) == [True] * WORLD
+
+
+def test_failures_are_reported_from_ranks(world):
+    with pytest.raises(RankError):
+        world.run(train, 1, 3, 1, "p2p", None)  # 3 does not divide the world
+
+
+def stale_hierarchical_groups():
+    from megatron.core import parallel_state as ps
+
+    from megatron_hcp.patching import apply, by_name, revert
+
+    patch = by_name(["destroy-forgets-cp-groups"])
+    revert(patch)
+    stale = []
+    for patched in (False, True):
+        if patched:
+            apply(patch)
+        ps.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False,
+                                     hierarchical_context_parallel_sizes=[2, 2])
+        ps.destroy_model_parallel()
+        stale.append(ps.get_hierarchical_context_parallel_groups(check_initialized=False))
+    revert(patch)
+    ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    return [s is not None for s in stale]
+
+
+def test_destroy_forgets_hierarchical_groups(world):
+    # upstream 0.16.1 keeps the destroyed groups; the patched destroy forgets them
+    assert world.run(stale_hierarchical_groups) == [[True, False]] * WORLD

@@ -1,0 +1,170 @@
+"""Runtime patches: version gate, atomic apply, exact revert, and what each CPU patch fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hcp.cli import main as cli_main
+from megatron_hcp.patching import (
+    ALL_PATCHES,
+    CPU_RUNTIME_PATCHES,
+    Patch,
+    PatchError,
+    apply,
+    by_name,
+    is_applied,
+    revert,
+)
+from megatron_hcp.patching.registry import Target, _raw
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only behaviour")
+
+
+HERE = [p for p in ALL_PATCHES if not p.missing_requirement()]
+
+
+@pytest.fixture
+def clean():
+    revert(ALL_PATCHES)
+    yield
+    revert(ALL_PATCHES)
+
+
+def snapshot(patches):
+    out = []
+    for patch in patches:
+        for target in patch.targets:
+            owner, attr = target.owner_and_attr()
+            out.append(_raw(owner, attr))
+    return out
+
+
+def test_every_patch_applies_and_reverts_to_the_identical_original(clean):
+    assert len(HERE) >= len(ALL_PATCHES) - 1
+    before = snapshot(HERE)
+    assert apply(HERE) == [p.name for p in HERE]
+    assert all(is_applied(p) for p in HERE)
+    assert apply(HERE) == []  # idempotent
+    assert snapshot(HERE) != before
+    assert revert(HERE) == [p.name for p in reversed(HERE)]
+    after = snapshot(HERE)
+    assert all(a is b for a, b in zip(before, after))
+    assert not any(is_applied(p) for p in HERE)
+
+
+@pytest.mark.skipif(bool(by_name(["te-attention-hcp"])[0].missing_requirement() is None),
+                    reason="Transformer Engine is installed")
+def test_te_patch_refused_clearly_without_te(clean):
+    with pytest.raises(PatchError, match="needs Transformer Engine, which is not installed"):
+        apply(by_name(["te-attention-hcp"]))
+
+
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_refused_on_other_versions_without_changing_anything(clean, patch):
+    if patch.missing_requirement():  # the version gate comes first, TE or not
+        with pytest.raises(PatchError, match="written for megatron-core 0.16.1, not 0.19.2"):
+            apply([patch], version="0.19.2")
+        return
+    before = snapshot([patch])
+    with pytest.raises(PatchError, match="written for megatron-core 0.16.1, not 0.19.2"):
+        apply([patch], version="0.19.2")
+    assert all(a is b for a, b in zip(before, snapshot([patch])))
+    assert patch.upstream and patch.summary
+
+
+def test_apply_is_all_or_nothing(clean):
+    broken = Patch("broken", "missing target", "nowhere", ("0.16.1",),
+                   (Target("megatron.core.utils", "does_not_exist", lambda o: o),))
+    before = snapshot(CPU_RUNTIME_PATCHES)
+    with pytest.raises(PatchError, match="does_not_exist does not exist"):
+        apply([*CPU_RUNTIME_PATCHES, broken])
+    assert all(a is b for a, b in zip(before, snapshot(CPU_RUNTIME_PATCHES)))
+
+
+def test_unknown_patch_name():
+    with pytest.raises(PatchError, match="unknown patch"):
+        by_name(["nope"])
+
+
+def test_causal_mask_needs_the_patch(clean):
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    with pytest.raises((AssertionError, RuntimeError)):
+        utils.get_default_causal_mask(4)
+    apply(by_name(["cpu-attention-masks"]))
+    mask = fused_softmax.get_default_causal_mask(4)  # imported by value there
+    assert mask.device.type == "cpu" and mask.tolist()[0] == [False, True, True, True]
+
+
+def test_global_memory_buffer_on_cpu(clean):
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with pytest.raises((AssertionError, RuntimeError)):
+        GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x")
+    apply(by_name(["cpu-global-memory-buffer"]))
+    t = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x")
+    assert t.shape == (2, 3) and t.device.type == "cpu"
+
+
+class FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_rope_cp_slicing_on_cpu_matches_load_balanced_chunks(clean):
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    emb = torch.arange(16.0).view(16, 1, 1, 1)
+    with pytest.raises(RuntimeError):
+        rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, FakeGroup(4, 1))
+    apply(by_name(["cpu-rope-cp-index"]))
+    for fn in (rope_utils.get_pos_emb_on_this_cp_rank,
+               rotary_pos_embedding.get_pos_emb_on_this_cp_rank):
+        out = fn(emb, 0, FakeGroup(4, 1))
+        assert out.view(-1).tolist() == [2.0, 3.0, 12.0, 13.0]
+
+
+def test_rng_tracker_forks_cpu_streams(clean):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    apply(by_name(["cpu-rng-tracker"]))
+    mrandom.initialize_rng_tracker(force_reset=True)
+    tracker = mrandom.get_cuda_rng_tracker()
+    torch.manual_seed(0)
+    tracker.add("model-parallel-rng", 123)
+    outside = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside)  # default stream restored
+    with tracker.fork():
+        b = torch.rand(3)
+    assert not torch.equal(a, b)  # the forked stream advanced
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def test_pg_collection_repr_with_hcp_list(clean):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection(cp=FakeGroup(4, 0), hcp=[FakeGroup(2, 0), FakeGroup(2, 0)])
+    with pytest.raises(AttributeError):
+        repr(pgc)
+    apply(by_name(["pg-collection-repr"]))
+    assert repr(pgc) == "ProcessGroupCollection(cp(4), hcp([2, 2]))"
+
+
+def test_cli_patch_list(clean, capsys):
+    apply(by_name(["pg-collection-repr"]))
+    assert cli_main(["patch", "list", "-v"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("pg-collection-repr"))
+    assert " yes " in line and "0.16.1" in line
+    assert "upstream: megatron/core/process_groups_config.py" in out
+    assert all(p.name in out for p in ALL_PATCHES)
