@@ -9,9 +9,9 @@ from megatron_hcp.local_world import LocalWorld
 
 
 @contextlib.contextmanager
-def local_world(world_size: int) -> Iterator[LocalWorld]:
+def local_world(world_size: int, env: dict[str, str] | None = None) -> Iterator[LocalWorld]:
     """Start ``world_size`` ranks once; modules wrap this in a module-scoped fixture."""
-    world = LocalWorld(world_size).start()
+    world = LocalWorld(world_size, env=env).start()
     try:
         yield world
     finally:

@@ -23,8 +23,9 @@ from .report import describe_cp_groups
 
 __all__ = [
     "LayoutMismatchError",
+    "destroy_groups",
     "destroy_model_parallel",
-    "forget_cp_groups",
+    "forget_stale_groups",
     "initialize_model_parallel",
 ]
 
@@ -141,21 +142,61 @@ def initialize_model_parallel(
     return layout
 
 
-def forget_cp_groups(ps: Any) -> None:
-    """Clear the CP globals megatron-core 0.16.1's ``destroy_model_parallel`` leaves behind.
+# Module globals of megatron-core 0.16.1's parallel_state that destroy_model_parallel leaves set
+# (measured: init + destroy for TP/CP/PP/HCP layouts). The helpers that read them
+# (is_rank_in_embedding_group, get_pipeline_model_parallel_last_rank, ...) then answer from a
+# destroyed layout, e.g. extra embedding all-reduces on some ranks: a deadlock.
+STALE_AFTER_DESTROY = (
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_DATA_PARALLEL_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
+    "_EMBEDDING_GLOBAL_RANKS",
+    "_EXPERT_MODEL_PARALLEL_RANKS",
+    "_MODEL_PARALLEL_GLOBAL_RANKS",
+    "_PIPELINE_GLOBAL_RANKS",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS",
+)
 
-    Without this, a re-initialization without HCP still returns the destroyed hierarchical
-    groups from ``get_hierarchical_context_parallel_groups`` (and stale hybrid DPxCP groups).
+
+def forget_stale_groups(ps: Any) -> None:
+    """Reset what megatron-core 0.16.1's ``destroy_model_parallel`` leaves behind.
+
+    :data:`STALE_AFTER_DESTROY` plus the hybrid DPxCP group table (a dict).
     """
-    ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    for name in STALE_AFTER_DESTROY:
+        if hasattr(ps, name):
+            setattr(ps, name, None)
     hybrid = getattr(ps, "_HYBRID_DP_CP_GROUPS", None)
     if isinstance(hybrid, dict):
         hybrid.clear()
 
 
+def destroy_groups(groups: Any) -> None:
+    """Destroy every live process group in ``groups`` (the default group is left alone).
+
+    gloo keeps threads and sockets per group: groups that are only forgotten pile up and slow
+    every later collective of the process.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    live = c10d._world.pg_map
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or id(group) in seen or group is c10d.GroupMember.WORLD:
+            continue
+        seen.add(id(group))
+        if group in live:
+            dist.destroy_process_group(group)
+
+
 def destroy_model_parallel() -> None:
-    """megatron's ``destroy_model_parallel``, then :func:`forget_cp_groups`."""
+    """megatron's ``destroy_model_parallel``, then destroy the groups it created and
+    :func:`forget_stale_groups`."""
     from megatron.core import parallel_state as ps
 
+    created = list(getattr(ps, "_global_process_group_list", None) or [])
     ps.destroy_model_parallel()
-    forget_cp_groups(ps)
+    destroy_groups(created)
+    forget_stale_groups(ps)

@@ -34,23 +34,56 @@ def _make_pgc_repr(original):
 
 def _make_destroy(original):
     def destroy_model_parallel(*args, **kwargs):
-        """Upstream destroy, then forget the hierarchical and hybrid DPxCP CP groups too."""
+        """Upstream destroy, then destroy the groups it created and reset every global it
+        leaves set (groups and rank lists)."""
         from megatron.core import parallel_state as ps
 
-        from ..parallel_state.mpu import forget_cp_groups
+        from ..parallel_state.mpu import destroy_groups, forget_stale_groups
 
+        created = list(getattr(ps, "_global_process_group_list", None) or [])
         original(*args, **kwargs)
-        forget_cp_groups(ps)
+        destroy_groups(created)
+        forget_stale_groups(ps)
 
     return destroy_model_parallel
 
 
+def _make_lm_loss(original):
+    def compute_language_model_loss(self, labels, logits):
+        """Unfused cross-entropy over the model's own TP group (``pg_collection.tp``)."""
+        from .cross_entropy import vocab_parallel_cross_entropy
+
+        if self.config.cross_entropy_loss_fusion:
+            return original(self, labels, logits)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                            self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
+    return compute_language_model_loss
+
+
 INTEGRATION_PATCHES: tuple[Patch, ...] = (
     Patch(
-        name="destroy-forgets-cp-groups",
-        summary="destroy_model_parallel also clears the hierarchical and hybrid DPxCP groups",
+        name="cross-entropy-model-tp-group",
+        summary="the unfused LM loss uses the model's pg_collection.tp, not the MPU TP group "
+        "(decentralized path without MPU globals)",
+        upstream="megatron/core/models/common/language_module/language_module.py:167 "
+        "tensor_parallel.vocab_parallel_cross_entropy (reads the global TP group, "
+        "tensor_parallel/cross_entropy.py:131,137,151,157)",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.models.common.language_module.language_module",
+                   "LanguageModule.compute_language_model_loss", _make_lm_loss),
+        ),
+    ),
+    Patch(
+        name="destroy-forgets-stale-groups",
+        summary="destroy_model_parallel destroys the process groups it created and resets the "
+        "hierarchical/hybrid CP groups, intra-partial DP groups and *_GLOBAL_RANKS it leaves set",
         upstream="megatron/core/parallel_state.py:2085-2234 destroy_model_parallel never resets "
-        "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS (115) or _HYBRID_DP_CP_GROUPS (117)",
+        "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS (115), _HYBRID_DP_CP_GROUPS (117), "
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO) and 7 rank lists; the groups listed "
+        "in _global_process_group_list (243-247) are never destroyed",
         versions=VERSIONS,
         targets=(
             Target("megatron.core.parallel_state", "destroy_model_parallel", _make_destroy),

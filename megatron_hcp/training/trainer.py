@@ -152,7 +152,7 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
     pgs = _groups(pg_collection)
     config = _transformer_config(spec)
     torch.manual_seed(spec.seed)
-    model_parallel_cuda_manual_seed(spec.seed)
+    model_parallel_cuda_manual_seed(spec.seed, tp_rank=pgs.tp.rank(), ep_rank=0, etp_rank=0)
     pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
     model = GPTModel(
         config=config,
@@ -182,7 +182,13 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
 
     dp_size, dp_rank = pgs.dp.size(), pgs.dp.rank()
     cp_size, cp_rank = pgs.cp.size(), pgs.cp.rank()
-    forward_backward = get_forward_backward_func()
+    forward_backward = get_forward_backward_func(pp_size=pp_size)
+    schedule_groups: dict[str, Any] = {}
+    if pg_collection is not None:  # decentralized path: no MPU globals are read
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        schedule_groups = {"pg_collection": pg_collection,
+                           "p2p_communicator": P2PCommunicator(pp_group=pgs.pp, config=config)}
     history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     rows = spec.global_batch_size
     if rows % (spec.micro_batch_size * dp_size):
@@ -207,6 +213,7 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
             seq_length=spec.seq_length,
             micro_batch_size=spec.micro_batch_size,
             forward_only=False,
+            **schedule_groups,
         )
         _, grad_norm, _ = optimizer.step()
         history["loss"].append(_global_loss(reports, pgs))

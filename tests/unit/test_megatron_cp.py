@@ -236,26 +236,34 @@ def test_failures_are_reported_from_ranks(world):
         world.run(train, 1, 3, 1, "p2p", None)  # 3 does not divide the world
 
 
-def stale_hierarchical_groups():
+def stale_globals_after_destroy():
     from megatron.core import parallel_state as ps
 
+    from megatron_hcp.parallel_state.mpu import forget_stale_groups
     from megatron_hcp.patching import apply, by_name, revert
 
-    patch = by_name(["destroy-forgets-cp-groups"])
+    patch = by_name(["destroy-forgets-stale-groups"])
     revert(patch)
-    stale = []
+    left = []
     for patched in (False, True):
         if patched:
             apply(patch)
-        ps.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False,
-                                     hierarchical_context_parallel_sizes=[2, 2])
+        ps.initialize_model_parallel(context_parallel_size=2, pipeline_model_parallel_size=2,
+                                     hierarchical_context_parallel_sizes=[2, 1])
         ps.destroy_model_parallel()
-        stale.append(ps.get_hierarchical_context_parallel_groups(check_initialized=False))
+        left.append(sorted(n for n in dir(ps) if n.startswith("_") and n.isupper()
+                           and getattr(ps, n) not in (None, {}, [])))
     revert(patch)
-    ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
-    return [s is not None for s in stale]
+    forget_stale_groups(ps)
+    return left
 
 
-def test_destroy_forgets_hierarchical_groups(world):
-    # upstream 0.16.1 keeps the destroyed groups; the patched destroy forgets them
-    assert world.run(stale_hierarchical_groups) == [[True, False]] * WORLD
+def test_destroy_forgets_every_group_and_rank_list(world):
+    from megatron_hcp.parallel_state.mpu import STALE_AFTER_DESTROY
+
+    for upstream, patched in world.run(stale_globals_after_destroy):
+        # upstream 0.16.1 keeps destroyed groups and rank lists; the patched destroy keeps none
+        assert "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS" in upstream
+        assert "_PIPELINE_GLOBAL_RANKS" in upstream
+        assert set(upstream) <= set(STALE_AFTER_DESTROY)
+        assert patched == []

@@ -11,6 +11,7 @@ from megatron_hcp.local_world import RankError
 from megatron_hcp.parallel_state.hierarchical import create_hierarchical_groups
 from megatron_hcp.parallel_state.layout import ParallelLayout
 from megatron_hcp.parallel_state.mpu import (
+    destroy_groups,
     destroy_model_parallel,
     initialize_model_parallel,
     verify_against_layout,
@@ -78,6 +79,7 @@ def compare_builders(tp, cp, pp, hcp, order):
         return out
     finally:
         destroy_model_parallel()
+        destroy_groups(ours)
 
 
 @pytest.mark.parametrize("tp, cp, pp, hcp, order", CASES)

@@ -1,0 +1,175 @@
+"""A complete ProcessGroupCollection on the decentralized path, with hierarchical CP filled in.
+
+Built like Megatron-Bridge's ``_create_pg_collection``: megatron-core ``HyperCommGrid`` over
+``[tp, cp, dp, pp]`` for the dense groups and ``[etp, ep, edp, pp]`` for the expert groups, the
+embedding groups from the PP enumeration. ``hcp`` comes from a second grid that splits ``cp`` into
+its levels, ``[tp, a2a, p2p, dp, pp]`` (megatron-core 0.16 has no grid views), innermost first.
+
+Before any group is created, every grid enumeration is checked against
+:class:`~megatron_hcp.parallel_state.layout.ParallelLayout` (the single source of the rank
+arithmetic, equal to the MPU path): a mismatch is an error on every rank, not a silent
+difference between the two initialization paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import CPConfig
+from ..parallel_state.layout import ParallelLayout
+from ..parallel_state.report import describe_cp_groups
+
+__all__ = ["LayoutDisagreementError", "create_pg_collection", "destroy_pg_collection"]
+
+logger = logging.getLogger("megatron_hcp")
+
+# collection field -> (grid, dims); single-dimension groups keep rank order (CP positions)
+_DENSE = {
+    "tp": ["tp"], "cp": ["cp"], "pp": ["pp"], "dp": ["dp"], "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"], "tp_dp_cp": ["tp", "dp", "cp"], "dp_cp": ["dp", "cp"],
+}
+_EXPERT = {"ep": ["ep"], "expt_tp": ["tp"], "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"],
+           "expt_dp": ["dp"]}
+_LAYOUT_NAME = {"mp": "tp_pp"}
+
+
+class LayoutDisagreementError(RuntimeError):
+    """HyperCommGrid would build a group whose members differ from the MPU layout."""
+
+
+def _same(grid_groups: list[list[int]], layout_groups: list[list[int]], ordered: bool) -> bool:
+    if ordered:
+        return sorted(map(list, grid_groups)) == sorted(map(list, layout_groups))
+    return sorted(sorted(g) for g in grid_groups) == sorted(sorted(g) for g in layout_groups)
+
+
+def _check(name: str, grid_groups, layout_groups, ordered: bool) -> None:
+    if not _same(grid_groups, layout_groups, ordered):
+        raise LayoutDisagreementError(
+            f"HyperCommGrid group {name!r} {grid_groups} differs from the MPU layout "
+            f"{layout_groups}; refusing to build groups that disagree between the paths"
+        )
+
+
+def _embedding_groups(pp_groups, get_embedding_ranks, get_position_embedding_ranks, pp_size):
+    embd, pos = [], []
+    for ranks in pp_groups:
+        embd.append(get_embedding_ranks(ranks, pp_size) if get_embedding_ranks else (
+            [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]))
+        pos.append(get_position_embedding_ranks(ranks, pp_size) if get_position_embedding_ranks
+                   else [ranks[0]])
+    return embd, pos
+
+
+def create_pg_collection(
+    config: CPConfig,
+    *,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    world_size: int | None = None,
+    rank_offset: int = 0,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    pg_options: Any = None,
+    hcp_pg_options: Any = None,
+    get_embedding_ranks: Callable | None = None,
+    get_position_embedding_ranks: Callable | None = None,
+):
+    """Every group of the decentralized path for ``config``; ``hcp`` set for a2a+p2p.
+
+    ``world_size`` ranks starting at ``rank_offset`` form the grid (default: the whole world
+    from 0), so several grids can share one world. ``timeout``/``pg_options`` go to every group,
+    ``hcp_pg_options`` (one value or one per level) to the hierarchical ones. All ranks of the
+    world must call this with the same arguments (group creation is collective).
+    """
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config.validate()
+    tp, cp, pp = (config.tensor_model_parallel_size, config.context_parallel_size,
+                  config.pipeline_model_parallel_size)
+    world = world_size if world_size is not None else dist.get_world_size() - rank_offset
+    if world % (tp * cp * pp):
+        raise ValueError(f"world_size={world} is not divisible by tp*cp*pp={tp * cp * pp}")
+    dp = world // (tp * cp * pp)
+    hcp_sizes = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
+    etp = expert_tensor_parallel_size or tp
+    ep = expert_model_parallel_size
+    layout = ParallelLayout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp,
+                            hierarchical_sizes=tuple(hcp_sizes) if hcp_sizes else None,
+                            rank_offset=rank_offset)
+    grid_kwargs = dict(rank_offset=rank_offset, backend=backend)
+    grid = HyperCommGrid([tp, cp, dp, pp], ["tp", "cp", "dp", "pp"], **grid_kwargs)
+    expert = HyperCommGrid([etp, ep, world // (etp * ep * pp), pp], ["tp", "ep", "dp", "pp"],
+                           **grid_kwargs)
+    levels = HyperCommGrid([tp, *hcp_sizes, dp, pp], ["tp", "a2a", "p2p", "dp", "pp"],
+                           **grid_kwargs) if hcp_sizes else None
+
+    # ---- pure checks (no collective yet): grid enumerations equal the MPU layout
+    for name, dims in _DENSE.items():
+        _check(name, grid.get_rank_enum(dims), layout.groups[_LAYOUT_NAME.get(name, name)],
+               ordered=len(dims) == 1)
+    for name, dims in _EXPERT.items():
+        _check(name, expert.get_rank_enum(dims), layout.groups[name], ordered=len(dims) == 1)
+    if levels is not None:
+        for level, dim in enumerate(("a2a", "p2p")):
+            _check(f"hcp[{level}]", levels.get_rank_enum([dim]), layout.hcp[level], ordered=True)
+
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if pg_options is not None:
+        kwargs["pg_options"] = pg_options
+    groups: dict[str, Any] = {}
+    for name, dims in _DENSE.items():
+        groups[name] = grid.create_pg(dims, group_desc=f"HCP_DECENTRALIZED_{name.upper()}",
+                                      **kwargs)
+    for name, dims in _EXPERT.items():
+        groups[name] = expert.create_pg(dims, group_desc=f"HCP_DECENTRALIZED_{name.upper()}",
+                                        **kwargs)
+    embd, pos = _embedding_groups(grid.get_rank_enum(["pp"]), get_embedding_ranks,
+                                  get_position_embedding_ranks, pp)
+    for name, rank_lists in (("embd", embd), ("pos_embd", pos)):
+        groups[name], _ = dist.new_subgroups_by_enumeration(rank_lists, backend=backend,
+                                                            **kwargs)
+    hcp = None
+    if levels is not None:
+        options = (list(hcp_pg_options) if isinstance(hcp_pg_options, (list, tuple))
+                   else [hcp_pg_options] * 2)
+        hcp = []
+        for level, dim in enumerate(("a2a", "p2p")):
+            level_kwargs = dict(kwargs)
+            if options[level] is not None:
+                level_kwargs["pg_options"] = options[level]
+            hcp.append(levels.create_pg([dim], group_desc=f"HIERARCHICAL_CONTEXT_PARALLEL_L{level}",
+                                        **level_kwargs))
+    collection = ProcessGroupCollection(
+        **groups,
+        hcp=hcp,
+        intra_dp_cp=groups["dp_cp"],
+        intra_expt_dp=groups["expt_dp"],
+        inter_dist_opt=None,
+        intra_dist_opt=None,
+    )
+    if dist.get_rank() == rank_offset:
+        for line in describe_cp_groups(layout):
+            logger.info(line)
+    return collection
+
+
+def destroy_pg_collection(collection: Any) -> None:
+    """Destroy every process group of a collection built by :func:`create_pg_collection`."""
+    from dataclasses import fields
+
+    from ..parallel_state.mpu import destroy_groups
+
+    groups = []
+    for f in fields(collection):
+        value = getattr(collection, f.name, None)
+        groups.extend(value if isinstance(value, (list, tuple)) else [value])
+    destroy_groups(groups)

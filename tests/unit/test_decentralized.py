@@ -1,0 +1,258 @@
+"""Decentralized process groups (HyperCommGrid) with hcp filled in equal the MPU path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import local_world
+
+WORLD = 8
+FIELDS_ORDERED = ["tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp"]
+FIELDS_SETS = ["mp", "tp_cp", "tp_dp_cp", "dp_cp", "tp_ep", "tp_ep_pp", "embd", "pos_embd"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with local_world(WORLD) as w:
+        yield w
+
+
+def _config(tp, cp, pp, hcp, world=WORLD):
+    from megatron_hcp.config import CPConfig
+
+    return CPConfig(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+        data_parallel_size=world // (tp * cp * pp),
+        cp_comm_type="a2a+p2p" if hcp else "p2p", hierarchical_context_parallel_sizes=hcp,
+    )
+
+
+def _members(group):
+    return dist.get_process_group_ranks(group) if group is not None else None
+
+
+def compare_with_mpu(tp, cp, pp, hcp):
+    from megatron.core import parallel_state as ps
+
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import apply, by_name
+
+    apply(by_name(["pg-collection-repr"]))  # upstream __repr__ raises on the hcp list
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("megatron_hcp")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        ours = create_pg_collection(_config(tp, cp, pp, hcp))
+    finally:
+        log.removeHandler(handler)
+    initialize_model_parallel(_config(tp, cp, pp, hcp), create_gloo_process_groups=False)
+    try:
+        mpu = {
+            "tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+            "mp": ps.get_model_parallel_group(), "tp_cp":
+            ps.get_tensor_and_context_parallel_group(),
+            "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+            "ep": ps.get_expert_model_parallel_group(),
+            "expt_tp": ps.get_expert_tensor_parallel_group(),
+            "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
+            "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
+            "expt_dp": ps.get_expert_data_parallel_group(),
+            "embd": ps.get_embedding_group(check_initialized=False),
+            "pos_embd": ps.get_position_embedding_group(check_initialized=False),
+        }
+        diffs = []
+        for name in FIELDS_ORDERED + FIELDS_SETS:
+            a, b = _members(getattr(ours, name)), _members(mpu[name])
+            if name in FIELDS_SETS and a is not None and b is not None:
+                a, b = sorted(a), sorted(b)
+            if a != b:
+                diffs.append((name, a, b))
+        if hcp:
+            theirs = ps.get_hierarchical_context_parallel_groups()
+            for level in range(2):
+                a, b = _members(ours.hcp[level]), _members(theirs[level])
+                if a != b:
+                    diffs.append((f"hcp{level}", a, b))
+                x = torch.tensor([dist.get_rank()])
+                dist.all_reduce(x, group=ours.hcp[level])
+                if int(x) != sum(b):
+                    diffs.append((f"hcp{level} all_reduce", int(x), sum(b)))
+        else:
+            assert ours.hcp is None
+        return diffs, records, repr(ours)
+    finally:
+        destroy_model_parallel()
+        destroy_pg_collection(ours)
+
+
+CASES = [
+    (2, 4, 1, [2, 2]),
+    (1, 8, 1, [4, 2]),
+    (1, 8, 1, [2, 4]),
+    (1, 4, 1, [2, 2]),  # DP2
+    (1, 4, 2, [2, 2]),  # PP2
+    (2, 2, 2, None),  # flat CP: hcp stays None
+]
+
+
+@pytest.mark.parametrize("tp, cp, pp, hcp", CASES)
+def test_every_field_equals_the_mpu_path(world, tp, cp, pp, hcp):
+    results = world.run(compare_with_mpu, tp, cp, pp, hcp)
+    for rank, (diffs, _, _) in enumerate(results):
+        assert not diffs, (rank, diffs)
+    lines = results[0][1]
+    assert any(line.startswith("CONTEXT_PARALLEL_GROUP created") for line in lines)
+    assert any(line.startswith("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS created") for line in lines) \
+        == bool(hcp)
+    assert all(not r[1] for r in results[1:])  # logged on the grid's first rank only
+    assert ("hcp([" in results[0][2]) == bool(hcp)
+
+
+def two_grids():
+    """Two 4-rank grids over one 8-rank world (rank_offset 0 and 4)."""
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.layout import ParallelLayout
+
+    built = []
+    for offset in (0, 4):
+        pgc = create_pg_collection(_config(1, 4, 1, [2, 2], world=4), world_size=4,
+                                   rank_offset=offset)
+        built.append(pgc)
+        if offset <= dist.get_rank() < offset + 4:
+            mine = (pgc, offset)
+    pgc, offset = mine
+    layout = ParallelLayout(world_size=4, cp=4, hierarchical_sizes=(2, 2), rank_offset=offset)
+    rank = dist.get_rank()
+    x = torch.tensor([rank])
+    dist.all_reduce(x, group=pgc.hcp[1])  # the groups work, not only their member lists
+    ok = ([_members(g) for g in pgc.hcp] == layout.hcp_of(rank)
+          and _members(pgc.cp) == layout.group_of("cp", rank)
+          and int(x) == sum(layout.hcp_of(rank)[1]))
+    for collection in built:
+        destroy_pg_collection(collection)
+    return ok
+
+
+def test_rank_offsets_several_grids_one_world(world):
+    assert world.run(two_grids) == [True] * WORLD
+
+
+def train(path, cp, hcp):
+    from megatron.core import parallel_state as ps
+
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import apply, apply_cpu_runtime, by_name
+    from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
+
+    apply_cpu_runtime()
+    # 0.16.1's unfused LM loss reads the MPU TP group; the decentralized path needs this patch
+    apply(by_name(["cross-entropy-model-tp-group"]))
+    spec = TinyGPTSpec(context_parallel_size=cp, cp_comm_type="a2a+p2p" if hcp else "p2p",
+                       hierarchical_context_parallel_sizes=hcp, micro_batch_size=1,
+                       num_query_groups=2)
+    config = _config(1, cp, 1, hcp)
+    if path == "decentralized":
+        pgc = create_pg_collection(config)
+        assert not ps.model_parallel_is_initialized()  # no MPU globals at all
+        try:
+            return train_tiny_gpt(spec, pg_collection=pgc)
+        finally:
+            destroy_pg_collection(pgc)
+    initialize_model_parallel(config, create_gloo_process_groups=False)
+    try:
+        return train_tiny_gpt(spec)
+    finally:
+        destroy_model_parallel()
+
+
+def test_decentralized_a2a_p2p_trains_like_mpu_and_cp1(world):
+    runs = {
+        "decentralized": world.run(train, "decentralized", 4, [2, 2]),
+        "mpu": world.run(train, "mpu", 4, [2, 2]),
+        "cp1": world.run(train, "mpu", 1, None),
+    }
+    want = runs["cp1"][0]
+    assert want["loss"][0] != want["loss"][-1]
+    for name, per_rank in runs.items():
+        for run in per_rank:
+            for key in ("loss", "grad_norm"):
+                got, ref = torch.tensor(run[key]), torch.tensor(want[key])
+                assert ((got - ref).abs() / ref.abs()).max() <= 1e-5, (name, key, run, want)
+
+
+def disagreeing_layout():
+    from megatron_hcp.bridge.collection import LayoutDisagreementError, _check
+
+    try:
+        _check("cp", [[0, 2, 1, 3]], [[0, 1, 2, 3]], ordered=True)
+    except LayoutDisagreementError as err:
+        return str(err)
+
+
+def test_disagreement_is_an_error():
+    assert "differs from the MPU layout" in disagreeing_layout()
+
+
+def cross_entropy_equals_megatron():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as theirs
+
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching.cross_entropy import vocab_parallel_cross_entropy as ours
+
+    initialize_model_parallel(_config(2, 1, 1, None), create_gloo_process_groups=False)
+    try:
+        tp = ps.get_tensor_model_parallel_group()
+        gen = torch.Generator().manual_seed(5)
+        full = torch.randn(6, 2, 16, generator=gen, dtype=torch.float64).float()
+        target = torch.randint(0, 16, (6, 2), generator=gen)
+        local = full.chunk(2, dim=-1)[tp.rank()]
+        a, b = local.clone().requires_grad_(), local.clone().requires_grad_()
+        la, lb = ours(a, target, tp), theirs(b, target)
+        grad = torch.rand(6, 2, generator=gen)
+        la.backward(grad)
+        lb.backward(grad)
+        return (la - lb).abs().max().item(), (a.grad - b.grad).abs().max().item()
+    finally:
+        destroy_model_parallel()
+
+
+def test_cross_entropy_equals_megatron(world):
+    for loss_err, grad_err in world.run(cross_entropy_equals_megatron):
+        assert loss_err < 1e-6 and grad_err < 1e-6
+
+
+def thread_count_over_cycles():
+    import os
+
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+
+    def threads():
+        with open(f"/proc/{os.getpid()}/status") as status:
+            return int(next(ln for ln in status if ln.startswith("Threads")).split()[1])
+
+    counts = []
+    for _ in range(3):
+        destroy_pg_collection(create_pg_collection(_config(2, 4, 1, [2, 2])))
+        initialize_model_parallel(_config(2, 4, 1, [2, 2]), create_gloo_process_groups=True)
+        destroy_model_parallel()
+        counts.append(threads())
+    return counts
+
+
+def test_destroy_frees_process_groups(world):
+    # gloo keeps threads per group: without destroying them every cycle adds ~100 threads
+    for counts in world.run(thread_count_over_cycles):
+        assert counts[-1] - counts[0] <= 4, counts
