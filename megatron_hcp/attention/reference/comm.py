@@ -111,10 +111,10 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessG
     dist.all_to_all_single(out, inp, group=group)
 
 
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup
-                           ) -> None:
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                           async_op: bool = False) -> dist.Work | None:
     _record("all_gather", inp.numel(), inp, group)
-    dist.all_gather_into_tensor(out, inp, group=group)
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup

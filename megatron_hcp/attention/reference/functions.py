@@ -130,26 +130,67 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
+def _source_groups(layout: SeqLayout, causal: bool) -> list[tuple[list[int], Block]]:
+    """Sources of an all-gather grouped by identical block shape.
+
+    With one dense sequence every past source meets all queries on its first half and every
+    future source meets the second half of the queries on all of it: one kernel call per group
+    instead of one per source. Packed (masked) layouts keep one block per source.
+    """
+    n = layout.cp
+    plans = [(src, plan_block(layout, layout.at(n, src), causal)) for src in range(n)]
+    if not layout.is_dense:
+        return [([src], plan) for src, plan in plans]
+    grouped: dict[tuple, list[tuple[int, Block]]] = {}
+    for src, plan in plans:
+        key = (plan.rows.start, plan.rows.stop, plan.cols.start, plan.cols.stop, plan.causal)
+        grouped.setdefault(key, []).append((src, plan))
+    return [([src for src, _ in members], members[0][1]) for members in grouped.values()]
+
+
+def _gathered_kv(full, srcs, block, k_shape, v_shape):
+    """K and V of ``srcs`` restricted to ``block.cols``, concatenated along the sequence."""
+    parts = [_unpack(full[src], k_shape, v_shape) for src in srcs]
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1], block
+    k = torch.cat([take(kj, block.cols) for kj, _ in parts], dim=2)
+    v = torch.cat([take(vj, block.cols) for _, vj in parts], dim=2)
+    return k, v, Block(block.rows, slice(0, k.shape[2]), block.causal, None)
+
+
 class AllGatherAttention(torch.autograd.Function):
     """CP attention with one all-gather of KV over ``group`` (this rank at ``layout.position``)."""
 
     @staticmethod
     def _gather(k, v, group, n):
+        """Start the all-gather of K/V; the local block is computed while it runs."""
         local = _pack(k, v)
         full = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
-        comm.all_gather_into_tensor(full, local, group)
-        return full.view(n, -1)
+        work = comm.all_gather_into_tensor(full, local, group, async_op=True)
+        return full.view(n, -1), work
+
+    @staticmethod
+    def _ordered(layout: SeqLayout, causal: bool):
+        """Source groups, this rank's own first (it needs no gathered data)."""
+        groups = _source_groups(layout, causal)
+        return sorted(groups, key=lambda g: g[0] != [layout.position])
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float):
-        n = layout.cp
-        q = q.contiguous()
-        full = AllGatherAttention._gather(k, v, group, n)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        full, work = AllGatherAttention._gather(k, v, group, layout.cp)
         out, lse = _new_acc(q)
-        for src in range(n):
-            kj, vj = _unpack(full[src], k.shape, v.shape)
-            block = _on(plan_block(layout, layout.at(n, src), causal), q.device)
+        for srcs, plan in AllGatherAttention._ordered(layout, causal):
+            if srcs == [layout.position]:
+                kj, vj, block = k, v, _on(plan, q.device)
+            else:
+                if work is not None:
+                    work.wait()
+                    work = None
+                kj, vj, block = _gathered_kv(full, srcs, _on(plan, q.device), k.shape, v.shape)
             _forward_block(q, kj, vj, block, scale, out, lse)
+        if work is not None:
+            work.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (layout, group, causal, scale)
         return out.to(q.dtype)
@@ -159,16 +200,34 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, causal, scale = ctx.meta
         dout = dout.contiguous()
-        n = layout.cp
-        full = AllGatherAttention._gather(k, v, group, n)  # gathered again: O(local) saved
+        full, work = AllGatherAttention._gather(k, v, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
-        for src in range(n):
-            kj, vj = _unpack(full[src], k.shape, v.shape)
-            dk, dv = _unpack(dkv_all[src], k.shape, v.shape)
-            block = _on(plan_block(layout, layout.at(n, src), causal), q.device)
-            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+        for srcs, plan in AllGatherAttention._ordered(layout, causal):
+            plan = _on(plan, q.device)
+            if srcs == [layout.position]:
+                kj, vj, block = k, v, plan
+            else:
+                if work is not None:
+                    work.wait()
+                    work = None
+                kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
+            if len(srcs) == 1:
+                dk, dv = _unpack(dkv_all[srcs[0]], k.shape, v.shape)
+                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+                continue
+            dk_cat = torch.zeros(kj.shape, dtype=acc, device=q.device)
+            dv_cat = torch.zeros(vj.shape, dtype=acc, device=q.device)
+            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk_cat, dv_cat)
+            for part, src in enumerate(srcs):
+                dk, dv = _unpack(dkv_all[src], k.shape, v.shape)
+                width = dk_cat.shape[2] // len(srcs)
+                piece = slice(part * width, (part + 1) * width)
+                dk[:, :, plan.cols] += dk_cat[:, :, piece]
+                dv[:, :, plan.cols] += dv_cat[:, :, piece]
+        if work is not None:
+            work.wait()
         mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
         comm.reduce_scatter_tensor(mine, dkv_all.view(-1), group)
         dk, dv = _unpack(mine, k.shape, v.shape)
