@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -30,6 +31,7 @@ from megatron_hcp.attention.reference.sharding import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.hierarchical import new_groups  # noqa: E402
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups  # noqa: E402
+from megatron_hcp.parallel_state.mpu import destroy_groups  # noqa: E402
 
 WORLD = 4
 CASES = [("p2p", 2), ("p2p", 4), ("all_gather", 2), ("all_gather", 4), ("a2a", 2), ("a2a", 4),
@@ -85,6 +87,13 @@ def _groups(comm: str, n: int):
 def rank_run(comm: str, n: int, s: int, h: int, hkv: int, d: int, repeats: int):
     """One rank: build groups, time forward + backward, count bytes."""
     group, a = _groups(comm, n)
+    try:
+        return _measure(comm, n, s, h, hkv, d, repeats, group, a)
+    finally:  # gloo keeps threads per group: leaked groups slow every later trial
+        destroy_groups(group if isinstance(group, list) else [group])
+
+
+def _measure(comm, n, s, h, hkv, d, repeats, group, a):
     rank = dist.get_rank()
     if rank >= n:  # only the first CP group is measured; the others wait
         dist.barrier()
@@ -131,30 +140,40 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N inside a trial")
+    parser.add_argument("--trials", type=int, default=3,
+                        help="independent trials (each with its own baseline); the table shows "
+                        "the median inflation and its range")
     args = parser.parse_args()
     s, h, hkv, d = args.seq, args.heads, args.kv_heads, args.dim
     print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank")
-    rows = []
+    trials: dict[tuple[str, int], list] = {case: [] for case in CASES}
+    bases = []
     with LocalWorld(WORLD, timeout_s=1200) as world:
-        base = world.run(baseline, s, h, hkv, d, args.repeats)[0]
-        print(f"baseline: single-process SDPA fwd+bwd = {base:.3f} CPU s")
-        for comm, n in CASES:
-            res = [r for r in world.run(rank_run, comm, n, s, h, hkv, d, args.repeats) if r]
-            a = res[0]["a"] if comm != "a2a+p2p" else 2
-            expect = analytic_bytes(comm, n, s, h, hkv, d, a)
-            measured = max(r["bytes"] for r in res)
-            entries = [r["entries"] for r in res]
-            cpu = sum(r["cpu_s"] for r in res)
-            rows.append((comm, n, measured, expect, max(entries) / (sum(entries) / len(entries)),
-                         cpu, cpu / base))
+        for _ in range(args.trials):
+            base = world.run(baseline, s, h, hkv, d, args.repeats)[0]
+            bases.append(base)
+            for comm, n in CASES:
+                res = [r for r in world.run(rank_run, comm, n, s, h, hkv, d, args.repeats) if r]
+                a = res[0]["a"] if comm != "a2a+p2p" else 2
+                entries = [r["entries"] for r in res]
+                cpu = sum(r["cpu_s"] for r in res)
+                trials[(comm, n)].append((
+                    max(r["bytes"] for r in res), analytic_bytes(comm, n, s, h, hkv, d, a),
+                    max(entries) / (sum(entries) / len(entries)), cpu, cpu / base))
+    print(f"baseline: single-process SDPA fwd+bwd = "
+          f"{statistics.median(bases):.3f} CPU s (median of {len(bases)} trials)")
     header = (f"{'comm':<11} {'CP':>3} {'bytes/rank':>12} {'analytic':>12} {'ratio':>6} "
-              f"{'max/mean FLOPs':>15} {'CPU s (sum)':>12} {'inflation':>10}")
+              f"{'max/mean FLOPs':>15} {'CPU s (sum)':>12} {'inflation':>10} {'range':>12}")
     print(header)
     print("-" * len(header))
-    for comm, n, measured, expect, balance, cpu, infl in rows:
+    for (comm, n), runs in trials.items():
+        measured, expect, balance = runs[0][0], runs[0][1], runs[0][2]
+        infl = [r[4] for r in runs]
+        cpu = statistics.median(r[3] for r in runs)
         print(f"{comm:<11} {n:>3} {measured:>12,} {expect:>12,} {measured / expect:>6.2f} "
-              f"{balance:>15.2f} {cpu:>12.3f} {infl:>9.2f}x")
+              f"{balance:>15.2f} {cpu:>12.3f} {statistics.median(infl):>9.2f}x "
+              f"{min(infl):>5.2f}-{max(infl):.2f}x")
 
 
 if __name__ == "__main__":
