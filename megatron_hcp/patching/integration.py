@@ -62,7 +62,53 @@ def _make_lm_loss(original):
     return compute_language_model_loss
 
 
+class NoCPGroup:
+    """What RoPE needs of a CP group when a dynamic-CP micro-batch runs without CP.
+
+    Only ``size()`` and ``rank()``: RoPE slicing reads those and nothing else in
+    ``Attention.forward`` uses the CP group of ``pg_collection``.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _make_attention_forward(original):
+    def forward(self, *args, **kwargs):
+        """Apply RoPE with the micro-batch's dynamic CP group, then restore the static one."""
+        params = kwargs.get("packed_seq_params")
+        if params is None and len(args) > 9:
+            params = args[9]
+        group = getattr(params, "cp_group", None)
+        local = getattr(params, "local_cp_size", None)
+        if group is None and local != 1:
+            return original(self, *args, **kwargs)
+        static = self.pg_collection.cp
+        self.pg_collection.cp = group if group is not None else NoCPGroup()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.pg_collection.cp = static
+
+    return forward
+
+
 INTEGRATION_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="attention-dynamic-cp-rope",
+        summary="Attention applies RoPE with the micro-batch's dynamic CP group "
+        "(packed_seq_params.cp_group / local_cp_size 1) and restores pg_collection.cp after",
+        upstream="megatron/core/transformer/attention.py:1103,1107,1116 apply_rotary_pos_emb("
+        "..., cp_group=self.pg_collection.cp) ignores packed_seq_params.cp_group",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.transformer.attention", "Attention.forward",
+                   _make_attention_forward),
+        ),
+    ),
     Patch(
         name="cross-entropy-model-tp-group",
         summary="the unfused LM loss uses the model's pg_collection.tp, not the MPU TP group "

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.local_world import RankError
+from megatron_hcp.parallel_state.mpu import destroy_groups
 from tests.conftest import local_world
 
 WORLD = 4
@@ -267,3 +268,73 @@ def test_destroy_forgets_every_group_and_rank_list(world):
         assert "_PIPELINE_GLOBAL_RANKS" in upstream
         assert set(upstream) <= set(STALE_AFTER_DESTROY)
         assert patched == []
+
+
+def dynamic_group_forward(patched: bool):
+    """GPT forward on packed thd data: a dynamic CP group of 2 (static CP=4) vs no CP."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hcp.attention.reference import get_local_chunk, pad_thd
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import apply, apply_cpu_runtime, by_name, revert
+    from megatron_hcp.training.trainer import TinyGPTSpec, deterministic_init
+
+    apply_cpu_runtime()
+    patch = by_name(["attention-dynamic-cp-rope"])
+    (apply if patched else revert)(patch)
+    initialize_model_parallel(CPConfig(context_parallel_size=4), create_gloo_process_groups=False)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    try:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        from megatron_hcp.attention.module import gpt_layer_spec
+        from megatron_hcp.training.trainer import _transformer_config
+
+        spec = TinyGPTSpec(context_parallel_size=4, num_query_groups=2)
+        model = GPTModel(config=_transformer_config(spec), transformer_layer_spec=gpt_layer_spec(),
+                         vocab_size=spec.vocab_size, max_sequence_length=128,
+                         position_embedding_type="rope")
+        deterministic_init(model, 7, 0, 1)
+        rank = dist.get_rank()
+        group = pairs[rank // 2]
+        gen = torch.Generator().manual_seed(11 + rank // 2)  # each pair its own micro-batch
+        cu = torch.tensor([0, 30, 51], dtype=torch.int32)
+        tokens, cu_pad = pad_thd(torch.randint(0, 128, (51,), generator=gen), cu, 4)
+        full = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                               max_seqlen_q=int((cu_pad[1:] - cu_pad[:-1]).max()),
+                               max_seqlen_kv=int((cu_pad[1:] - cu_pad[:-1]).max()),
+                               local_cp_size=1)
+        labels = tokens.roll(-1)
+        try:
+            ref = model(tokens[None], None, None, labels=labels[None], packed_seq_params=full)[0]
+        except RuntimeError as err:  # upstream: RoPE cut by the static CP=4 group
+            return f"error: {err}"
+        dyn = PackedSeqParams(**{**full.__dict__, "local_cp_size": 2, "cp_group": group})
+        local = get_local_chunk(tokens, 2, group.rank(), "thd", cu_pad)
+        out = model(local[None], None, None,
+                    labels=get_local_chunk(labels, 2, group.rank(), "thd", cu_pad)[None],
+                    packed_seq_params=dyn)[0]
+        want = get_local_chunk(ref, 2, group.rank(), "thd", cu_pad)
+        valid = get_local_chunk(torch.arange(len(tokens)) < 0, 2, group.rank(), "thd", cu_pad)
+        for i in range(2):  # real tokens only (padding carries no loss)
+            start, n = int(cu_pad[i]), int(cu[i + 1] - cu[i])
+            valid |= get_local_chunk((torch.arange(len(tokens)) >= start)
+                                     & (torch.arange(len(tokens)) < start + n), 2,
+                                     group.rank(), "thd", cu_pad)
+        assert model.decoder.layers[0].self_attention.pg_collection.cp.size() == 4  # restored
+        return (out[valid] - want[valid]).abs().max().item()
+    finally:
+        revert(patch)
+        destroy_groups(pairs)
+        destroy_model_parallel()
+
+
+def test_rope_follows_the_dynamic_cp_group(world):
+    # with the patch, the dynamic group of 2 reproduces the no-CP forward exactly
+    assert max(world.run(dynamic_group_forward, True)) < 1e-5
+    # megatron 0.16.1 alone slices RoPE by the static CP=4 group: it fails or is wrong
+    for result in world.run(dynamic_group_forward, False):
+        assert (isinstance(result, str) and "split_with_sizes" in result) or result > 1e-3
