@@ -5,4 +5,4 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
 cd "$root"
 .venv/bin/ruff check megatron_hcp tests benchmarks
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

@@ -116,6 +116,14 @@ def test_silent_cp_off_guard_fires(world):
         assert "pg_collection.hcp is None" in message and "CP off" in message
 
 
+def make_test_groups():
+    """All four ranks, this rank's contiguous pair and its strided pair (like [a2a, p2p])."""
+    full = dist.new_group(list(range(WORLD)))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stride = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return full, pairs[dist.get_rank() // 2], stride[dist.get_rank() % 2], [full, *pairs, *stride]
+
+
 def resolution_cases():
     from types import SimpleNamespace
 
@@ -123,11 +131,7 @@ def resolution_cases():
 
     from megatron_hcp.attention.groups import SilentCPOffError, resolve_cp_groups
 
-    full = dist.new_group(list(range(WORLD)))
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mine = pairs[dist.get_rank() // 2]
-    stride = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    other = stride[dist.get_rank() % 2]
+    full, mine, other, created = make_test_groups()
     pgc = SimpleNamespace(cp=full, hcp=[mine, other])
     out = {}
     g = resolve_cp_groups(4, "a2a+p2p", pgc)
@@ -151,6 +155,7 @@ def resolution_cases():
         except SilentCPOffError as err:
             errors.append(str(err))
     out["errors"] = errors
+    destroy_groups(created)
     return out
 
 
@@ -197,11 +202,7 @@ def te_contract():
 
     from megatron_hcp.attention.module import make_te_forward, make_te_init
 
-    full = dist.new_group(list(range(WORLD)))
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mine = pairs[dist.get_rank() // 2]
-    stride = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    other = stride[dist.get_rank() % 2]
+    full, mine, other, created = make_test_groups()
     cls = type("Wrapped", (RecordingTE,), {"__init__": make_te_init(RecordingTE.__init__),
                                             "forward": make_te_forward(RecordingTE.forward)})
     pgc = SimpleNamespace(tp=None, cp=full, hcp=[mine, other])
@@ -225,6 +226,7 @@ def te_contract():
     lazy = type("Lazy", (RecordingTE,), {"__init__": make_te_init(RecordingTE.__init__)})
     lazy(SimpleNamespace(context_parallel_size=1), 1, None, "self", pg_collection=pgc)
     assert lazy.cp_stream is None  # no stream without CP
+    destroy_groups(created)
     return True
 
 

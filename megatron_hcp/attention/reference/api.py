@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import CP_COMM_TYPES
-from .functions import AllGatherAttention, HeadsToSeq, RingAttention, SeqToHeads
+from .functions import AllGatherAttention, RingAttention, UlyssesAllToAll
 from .sharding import (
     CPAttentionError,
     SeqLayout,
@@ -208,7 +208,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
             kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
         perm = a2a_gather_permutation(layout, a).to(q.device)
         inv = torch.argsort(perm)
-        qh, kh, vh = (SeqToHeads.apply(t, a2a_group, perm, inv) for t in (qh, kh, vh))
+        qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
     if cp_comm_type == "all_gather":
         out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale)
@@ -216,5 +216,5 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
         out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale)
     if a > 1:
-        out = HeadsToSeq.apply(out, a2a_group, perm, inv)
+        out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
     return _from_bhsd(out, qkv_format)

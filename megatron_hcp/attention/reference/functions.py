@@ -5,8 +5,8 @@
   accumulator that ends at its owner. Saves only local tensors: memory is O(local sequence).
 * :class:`AllGatherAttention` - one all-gather of KV; backward gathers again and
   reduce-scatters dK/dV.
-* :class:`SeqToHeads` / :class:`HeadsToSeq` - Ulysses all-to-all (scatter heads, gather sequence)
-  and its inverse, each the other's backward.
+* :class:`UlyssesAllToAll` - Ulysses all-to-all (scatter heads, gather sequence) and its
+  inverse, each the other's backward.
 
 Tensors are ``[B, H, S, D]``; ``S`` is the local sequence in the two-halves layout of
 :class:`~.sharding.SeqLayout`.
@@ -22,7 +22,7 @@ from .blocks import Block, plan_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
 from .sharding import SeqLayout
 
-__all__ = ["AllGatherAttention", "HeadsToSeq", "RingAttention", "SeqToHeads"]
+__all__ = ["AllGatherAttention", "RingAttention", "UlyssesAllToAll"]
 
 
 def _on(block: Block, device: torch.device) -> Block:
@@ -257,29 +257,18 @@ def _heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tenso
     return recv.transpose(0, 1).reshape(b, a * hl, s, d)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """Ulysses all-to-all: local sequence, all heads -> a2a group's sequence, 1/a of heads."""
+class UlyssesAllToAll(torch.autograd.Function):
+    """Ulysses all-to-all: ``to_heads`` scatters heads and gathers the a2a group's sequence,
+    otherwise the inverse. Each direction is the other's backward."""
 
     @staticmethod
-    def forward(ctx, x, group, perm, inv_perm):
-        ctx.meta = (group, perm, inv_perm)
-        return _seq_to_heads(x, group, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, perm, inv_perm = ctx.meta
-        return _heads_to_seq(grad, group, inv_perm), None, None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """Inverse Ulysses all-to-all (the output path)."""
-
-    @staticmethod
-    def forward(ctx, x, group, perm, inv_perm):
-        ctx.meta = (group, perm, inv_perm)
-        return _heads_to_seq(x, group, inv_perm)
+    def forward(ctx, x, group, perm, inv_perm, to_heads: bool):
+        ctx.meta = (group, perm, inv_perm, to_heads)
+        return _seq_to_heads(x, group, perm) if to_heads else _heads_to_seq(x, group, inv_perm)
 
     @staticmethod
     def backward(ctx, grad):
-        group, perm, inv_perm = ctx.meta
-        return _seq_to_heads(grad, group, perm), None, None, None
+        group, perm, inv_perm, to_heads = ctx.meta
+        back = _heads_to_seq(grad, group, inv_perm) if to_heads else _seq_to_heads(
+            grad, group, perm)
+        return back, None, None, None, None
