@@ -23,6 +23,7 @@ import numpy as np
 __all__ = [
     "ORDERS",
     "ParallelLayout",
+    "dynamic_cp_blocks",
     "group_containing",
     "hierarchical_level_groups",
     "orthogonal_groups",
@@ -193,3 +194,22 @@ class ParallelLayout:
         }
         out["groups"] = {k: v for k, v in self.groups.items() if k != "cp"}
         return out
+
+
+def dynamic_cp_blocks(dp_cp_ranks: Sequence[int], min_size: int = 1) -> dict[int, Groups]:
+    """Dynamic-CP groups of one DPxCP group: for every power of two from ``min_size`` up to its
+    size, contiguous aligned blocks of its ranks (size == len(dp_cp_ranks) is the whole group).
+    """
+    n = len(dp_cp_ranks)
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a DPxCP group of {n} ranks: dynamic CP needs a power of two")
+    if min_size < 1 or min_size & (min_size - 1) or min_size > n:
+        raise ValueError(
+            f"min_dynamic_context_parallel_size={min_size} must be a power of two <= {n}"
+        )
+    blocks: dict[int, Groups] = {}
+    size = min_size
+    while size <= n:
+        blocks[size] = [list(dp_cp_ranks[i : i + size]) for i in range(0, n, size)]
+        size *= 2
+    return blocks

@@ -1,0 +1,1 @@
+"""Dynamic CP: workload model (scheduler and runtime follow, see the issues)."""

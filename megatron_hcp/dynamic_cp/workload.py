@@ -1,0 +1,80 @@
+"""What one sequence costs a rank of its CP group: training FLOPs and tokens held.
+
+A sequence of length ``L`` split over a CP group of ``c`` ranks (load-balanced, padded to a
+multiple of ``2c``) gives every rank ``padded(L)/c`` tokens. Per rank and per training step
+(forward + backward = 3x forward):
+
+* linear layers: ``L/c`` tokens through the QKV, output and MLP projections;
+* attention: ``L**2 / c`` score entries (QK^T and PV), halved when causal.
+
+``seq_squared`` reproduces megatron-core's own model (``L**2 / c``, no linear term), for
+comparisons with its scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["GPTWorkload", "ScheduleError", "min_group_size", "tokens_per_rank"]
+
+
+class ScheduleError(ValueError):
+    """An input no legal schedule exists for (named, with the rule and the fix)."""
+
+
+def tokens_per_rank(length: int, group_size: int) -> int:
+    """Tokens one rank holds for a sequence of ``length`` on ``group_size`` ranks (padded)."""
+    unit = 2 * group_size
+    return -(-length // unit) * unit // group_size
+
+
+def min_group_size(length: int, cap: int, world: int, min_size: int = 1) -> int:
+    """Smallest power-of-two group (>= ``min_size``) whose ranks hold <= ``cap`` tokens each."""
+    if cap <= 0:
+        raise ScheduleError(f"max_seqlen_per_dp_cp_rank={cap} must be > 0")
+    size = max(1, min_size)
+    while size <= world:
+        if tokens_per_rank(length, size) <= cap:
+            return size
+        size *= 2
+    raise ScheduleError(
+        f"a sequence of {length} tokens needs more than {world} ranks at "
+        f"max_seqlen_per_dp_cp_rank={cap} (it would hold {tokens_per_rank(length, world)} per "
+        f"rank on all {world}); raise the cap or drop/split the sequence"
+    )
+
+
+@dataclass(frozen=True)
+class GPTWorkload:
+    """Per-rank training cost of a GPT sequence; ``mode`` ``flops`` or ``seq_squared``."""
+
+    num_layers: int = 1
+    hidden_size: int = 4096
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 32
+    num_query_groups: int | None = None
+    gated_mlp: bool = False
+    causal: bool = True
+    mode: Literal["flops", "seq_squared"] = "flops"
+
+    def linear_flops_per_token(self) -> float:
+        h = self.hidden_size
+        head = h // self.num_attention_heads
+        kv = (self.num_query_groups or self.num_attention_heads) * head
+        ffn = self.ffn_hidden_size or 4 * h
+        qkv, proj = 2 * h * (h + 2 * kv), 2 * h * h
+        mlp = 2 * (3 if self.gated_mlp else 2) * h * ffn
+        return 3.0 * self.num_layers * (qkv + proj + mlp)
+
+    def attention_flops(self, length: int) -> float:
+        full = 4.0 * length * length * self.hidden_size  # QK^T and PV
+        return 3.0 * self.num_layers * (full / 2 if self.causal else full)
+
+    def cost(self, length: int, group_size: int) -> float:
+        """Per-rank cost of ``length`` on ``group_size`` ranks (FLOPs, or L**2/c)."""
+        if self.mode == "seq_squared":
+            return length * length / group_size
+        return (length * self.linear_flops_per_token() + self.attention_flops(length)) / (
+            group_size
+        )
