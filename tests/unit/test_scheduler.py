@@ -1,0 +1,105 @@
+"""Dynamic-CP scheduler invariants (hypothesis) and input errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hcp.dynamic_cp.scheduler import schedule
+from megatron_hcp.dynamic_cp.workload import (
+    GPTWorkload,
+    ScheduleError,
+    min_group_size,
+    tokens_per_rank,
+)
+
+MODEL = GPTWorkload(num_layers=1, hidden_size=256, num_attention_heads=4)
+
+
+@st.composite
+def batches(draw):
+    n = 2 ** draw(st.integers(0, 5))
+    cap = draw(st.sampled_from([16, 64, 100, 256]))
+    min_cp = 2 ** draw(st.integers(0, n.bit_length() - 1))
+    limit = n * cap - 2 * n  # every sequence must fit on all N ranks
+    lengths = draw(st.lists(st.integers(1, max(1, limit)), min_size=1, max_size=40))
+    vpp = draw(st.sampled_from([1, 2, 3]))
+    return lengths, n, cap, min_cp, vpp
+
+
+@settings(max_examples=250, deadline=None)
+@given(batch=batches())
+def test_invariants(batch):
+    lengths, n, cap, min_cp, vpp = batch
+    plan = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
+    seen = []
+    assert len(plan.micro_batches) % vpp == 0
+    for mb in plan.micro_batches:
+        covered = sorted([r for g in mb.groups for r in g.ranks] + list(mb.idle_ranks))
+        assert covered == list(range(n))  # a partition of all N ranks
+        tokens = dict.fromkeys(range(n), 0)
+        for g in mb.groups:
+            c = len(g.ranks)
+            assert c & (c - 1) == 0 and g.ranks[0] % c == 0  # aligned power of two
+            assert list(g.ranks) == list(range(g.ranks[0], g.ranks[0] + c))  # contiguous
+            assert g.samples  # no empty group
+            for s in g.samples:
+                assert c >= min_group_size(lengths[s], cap, n, min_cp)
+                for r in g.ranks:
+                    tokens[r] += tokens_per_rank(lengths[s], c)
+            seen.extend(g.samples)
+        assert max(tokens.values()) <= cap  # memory cap respected
+        if mb.idle_ranks:
+            assert any(f"micro-batch {plan.micro_batches.index(mb)}" in note
+                       for note in plan.notes)
+    assert sorted(seen) == list(range(len(lengths)))  # every sample exactly once
+    s = plan.summary
+    assert 0 < s["efficiency"] <= 1.0 + 1e-9
+    assert s["peak_tokens_per_rank"] <= cap
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch=batches())
+def test_deterministic(batch):
+    lengths, n, cap, min_cp, vpp = batch
+    a = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
+    b = schedule(list(lengths), n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
+    assert a.to_json() == b.to_json()
+
+
+def test_same_plan_under_any_hash_seed():
+    code = ("import json; from megatron_hcp.dynamic_cp.scheduler import schedule; "
+            "print(json.dumps(schedule([300, 5, 77, 1000, 64, 64, 900], 8, 128).to_json()))")
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+        for seed in ("0", "1", "12345")
+    }
+    assert len(outs) == 1 and json.loads(outs.pop())["micro_batches"]
+
+
+@pytest.mark.parametrize("args, kwargs, fragment", [
+    (([10], 6, 100), {}, "dp_cp=6"),
+    (([10], 8, 0), {}, "max_seqlen_per_dp_cp_rank=0"),
+    (([10], 8, 100), {"min_cp_size": 3}, "min_cp_size=3"),
+    (([10], 8, 100), {"min_cp_size": 16}, "min_cp_size=16"),
+    (([10], 8, 100), {"vpp": 0}, "vpp=0"),
+    (([], 8, 100), {}, "empty"),
+    (([0, 5], 8, 100), {}, "length < 1"),
+    (([2000], 8, 100), {}, "needs more than 8 ranks"),
+])
+def test_impossible_inputs(args, kwargs, fragment):
+    with pytest.raises(ScheduleError, match=fragment):
+        schedule(*args, **kwargs)
+
+
+def test_short_batch_reports_idle_ranks_instead_of_hiding_them():
+    plan = schedule([10], 8, 1000, min_cp_size=1, vpp=2)  # 2 micro-batches, 1 sequence
+    assert len(plan.micro_batches) == 2
+    assert plan.summary["idle_rank_slots"] == 8 and plan.notes
