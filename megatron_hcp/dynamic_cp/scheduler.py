@@ -10,10 +10,12 @@ Algorithm (deterministic, vectorised with numpy):
    most ``cap`` tokens (:func:`~.workload.min_group_size`);
 2. the micro-batch count starts at the token-capacity bound (rounded up to a multiple of the
    VPP size) and grows only when a sequence finds no legal place;
-3. sequences, largest total work first, go to the legal block (free, or already a group of the
+3. a sequence heavier per rank than the ideal level ``total work / (N * M)`` is spread over the
+   smallest larger group that brings it under that level;
+4. sequences, largest total work first, go to the legal block (free, or already a group of the
    same size with room under the cap) that raises its micro-batch's slowest rank the least,
    then the least loaded such block;
-4. ranks left idle are absorbed by doubling a neighbouring group into its idle buddy block
+5. ranks left idle are absorbed by doubling a neighbouring group into its idle buddy block
    (its sequences are then split over twice the ranks); any idle rank that remains is reported.
 """
 
@@ -110,6 +112,13 @@ def _place(order, sizes, work, tokens, n, m, cap):
     return where, gsz
 
 
+def _spread(length: int, size: int, level: float, n: int, cost) -> int:
+    """Smallest power-of-two group >= ``size`` whose per-rank cost is <= ``level``."""
+    while size < n and cost(length, size) > level:
+        size *= 2
+    return size
+
+
 def _absorb_idle(groups: dict, n: int) -> tuple[int, ...]:
     """Double groups into idle buddy blocks (repeatedly); returns the remaining idle ranks."""
     changed = True
@@ -152,8 +161,16 @@ def schedule(
     order = sorted(range(len(lengths)), key=lambda s: (-work[s] * sizes[s], s))
     m = max(1, math.ceil(sum(t * c for t, c in zip(tokens, sizes)) / (n * cap)))
     m = -(-m // vpp) * vpp
+    total = sum(w * c for w, c in zip(work, sizes))
     while True:
-        placed = _place(order, sizes, work, tokens, n, m, cap)
+        # a sequence heavier per rank than the ideal level T would set its micro-batch's pace:
+        # spread it over a larger group (fewer tokens and less work per rank)
+        level = total / (n * m)
+        spread = [_spread(length, c, level, n, model.cost) for length, c in zip(lengths, sizes)]
+        placed = _place(order, spread,
+                        [model.cost(length, c) for length, c in zip(lengths, spread)],
+                        [tokens_per_rank(length, c) for length, c in zip(lengths, spread)],
+                        n, m, cap)
         if placed is not None:
             break
         m += vpp
@@ -161,6 +178,10 @@ def schedule(
     per_mb: list[dict] = [{} for _ in range(m)]
     for s, (j, start, size) in enumerate(where):
         per_mb[j].setdefault((start, size), []).append(s)
+    empty = [j for j, groups in enumerate(per_mb) if not groups]
+    drop = set(empty[: len(empty) // vpp * vpp])  # keep the count a multiple of vpp
+    per_mb = [groups for j, groups in enumerate(per_mb) if j not in drop]
+    m = len(per_mb)
     notes = []
     micro_batches = []
     for j, groups in enumerate(per_mb):
