@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
@@ -98,7 +98,6 @@ class CPConfig:
     max_seqlen_per_dp_cp_rank: int | None = None
     te_version: str | None = None
     cp_attention_backend: Backend = "auto"
-    _advice: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -165,7 +164,6 @@ class CPConfig:
             check(violations, advice)
         if violations:
             raise CPConfigError(violations)
-        self._advice = advice
         return advice
 
     def _check_sizes(self, out: list[Violation], advice: list[str]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import CPConfig
+from ..config import CPConfig, CPConfigError, Violation
 from ..parallel_state.layout import ParallelLayout
 from ..parallel_state.report import describe_cp_groups
 
@@ -94,8 +94,11 @@ def create_pg_collection(
     tp, cp, pp = (config.tensor_model_parallel_size, config.context_parallel_size,
                   config.pipeline_model_parallel_size)
     world = world_size if world_size is not None else dist.get_world_size() - rank_offset
-    if world % (tp * cp * pp):
-        raise ValueError(f"world_size={world} is not divisible by tp*cp*pp={tp * cp * pp}")
+    if config.world_size != world:
+        raise CPConfigError([Violation(
+            "data_parallel_size", config.data_parallel_size,
+            f"tp*pp*cp*dp={config.world_size} must equal the grid's {world} ranks",
+            f"set data_parallel_size = {world} / (tp * pp * cp) = {world / (tp * cp * pp):g}")])
     dp = world // (tp * cp * pp)
     hcp_sizes = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
     etp = expert_tensor_parallel_size or tp
