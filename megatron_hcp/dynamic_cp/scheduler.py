@@ -8,8 +8,9 @@ Algorithm (deterministic, vectorised with numpy):
 
 1. every sequence gets the smallest power-of-two group (>= ``min_cp_size``) whose ranks hold at
    most ``cap`` tokens (:func:`~.workload.min_group_size`);
-2. the micro-batch count starts at the token-capacity bound (rounded up to a multiple of the
-   VPP size) and grows only when a sequence finds no legal place;
+2. the micro-batch count starts at a lower bound (token capacity; rank slots of sequences that
+   fill more than half a rank) rounded up to a multiple of the VPP size, and grows only when a
+   sequence finds no legal place;
 3. a sequence heavier per rank than the ideal level ``total work / (N * M)`` is spread over the
    smallest larger group that brings it under that level;
 4. sequences, largest total work first, go to the legal block (free, or already a group of the
@@ -159,7 +160,10 @@ def schedule(
     work = [model.cost(length, c) for length, c in zip(lengths, sizes)]
     tokens = [tokens_per_rank(length, c) for length, c in zip(lengths, sizes)]
     order = sorted(range(len(lengths)), key=lambda s: (-work[s] * sizes[s], s))
-    m = max(1, math.ceil(sum(t * c for t, c in zip(tokens, sizes)) / (n * cap)))
+    # lower bounds: token capacity, and rank slots of sequences that fill more than half a
+    # rank's cap (two of them never share a rank)
+    m = max(1, math.ceil(sum(t * c for t, c in zip(tokens, sizes)) / (n * cap)),
+            math.ceil(sum(c for t, c in zip(tokens, sizes) if 2 * t > cap) / n))
     m = -(-m // vpp) * vpp
     total = sum(w * c for w, c in zip(work, sizes))
     while True:
