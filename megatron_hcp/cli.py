@@ -113,6 +113,42 @@ def _patch_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace) -> int:
+    from .dynamic_cp.scheduler import schedule
+    from .dynamic_cp.workload import GPTWorkload, ScheduleError
+
+    try:
+        with open(args.lengths, encoding="utf-8") as f:
+            lengths = json.load(f)
+        if not isinstance(lengths, list):
+            raise ScheduleError(f"{args.lengths} must hold a JSON list of sequence lengths")
+        workload = GPTWorkload(num_layers=args.layers, hidden_size=args.hidden,
+                               ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+                               num_query_groups=args.kv_heads, mode=args.cost)
+        plan = schedule(lengths, args.dp_cp, args.max_seqlen_per_rank, workload=workload,
+                        min_cp_size=args.min_cp_size, vpp=args.vpp)
+    except (ScheduleError, OSError, ValueError) as err:
+        print(f"cannot schedule: {err}", file=sys.stderr)
+        return 2
+    if args.plot:
+        from .dynamic_cp.plot import plot_plan
+
+        plot_plan(plan, lengths, workload, args.plot)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+        return 0
+    s = plan.summary
+    print(f"{s['micro_batches']} micro-batches, efficiency {s['efficiency']:.3f} "
+          f"(makespan {s['makespan']:.4g}, ideal {s['ideal']:.4g}), idle rank-slots "
+          f"{s['idle_rank_slots']}, peak tokens per rank {s['peak_tokens_per_rank']} / cap "
+          f"{s['cap']}")
+    for j, mb in enumerate(s["per_micro_batch"]):
+        print(f"  micro-batch {j}: max {mb['max']:.4g} mean {mb['mean']:.4g}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-comm-type", default="p2p", help="used when --hcp is empty")
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.set_defaults(func=_verify_groups)
+
+    p = sub.add_parser("schedule", help="plan dynamic-CP micro-batches for a global batch")
+    p.add_argument("--dp-cp", type=int, required=True)
+    p.add_argument("--max-seqlen-per-rank", type=int, required=True)
+    p.add_argument("--min-cp-size", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--cost", choices=["flops", "seq_squared"], default="flops")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--lengths", required=True, help="JSON file: a list of sequence lengths")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="write a Gantt chart (PNG)")
+    p.set_defaults(func=_schedule)
 
     patch = sub.add_parser("patch", help="runtime patches of megatron-core")
     patch_sub = patch.add_subparsers(dest="patch_command", required=True)

@@ -103,3 +103,25 @@ def test_short_batch_reports_idle_ranks_instead_of_hiding_them():
     plan = schedule([10], 8, 1000, min_cp_size=1, vpp=2)  # 2 micro-batches, 1 sequence
     assert len(plan.micro_batches) == 2
     assert plan.summary["idle_rank_slots"] == 8 and plan.notes
+
+
+def test_cli_schedule_json_and_plot(tmp_path, capsys):
+    from megatron_hcp.cli import main as cli_main
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([300, 5, 77, 1000, 64, 64, 900, 2000]))
+    plot = tmp_path / "plan.png"
+    code = cli_main(["schedule", "--dp-cp", "8", "--max-seqlen-per-rank", "256",
+                     "--hidden", "256", "--heads", "4", "--lengths", str(lengths), "--json",
+                     "--plot", str(plot)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    samples = sorted(s for mb in out["micro_batches"] for g in mb["groups"] for s in g["samples"])
+    assert samples == list(range(8)) and 0 < out["summary"]["efficiency"] <= 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["schedule", "--dp-cp", "6", "--max-seqlen-per-rank", "256",
+                     "--lengths", str(lengths)]) == 2
+    assert "dp_cp=6" in capsys.readouterr().err
+    assert cli_main(["schedule", "--dp-cp", "8", "--max-seqlen-per-rank", "256",
+                     "--lengths", str(lengths), "--cost", "seq_squared"]) == 0
+    assert "efficiency" in capsys.readouterr().out
