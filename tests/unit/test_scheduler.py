@@ -125,3 +125,71 @@ def test_cli_schedule_json_and_plot(tmp_path, capsys):
     assert cli_main(["schedule", "--dp-cp", "8", "--max-seqlen-per-rank", "256",
                      "--lengths", str(lengths), "--cost", "seq_squared"]) == 0
     assert "efficiency" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- regressions of reviewed upstream
+# bugs (megatron-core 0.16.1 BalancedCPScheduler, Megatron-LM PR #2000 review)
+def test_expansion_never_overwrites_busy_ranks():
+    """Upstream `assert not all(...)` let an expansion overwrite non-empty GPU slots."""
+    from megatron_hcp.dynamic_cp.scheduler import _absorb_idle
+
+    groups = {(0, 2): [0], (2, 1): [1]}  # rank 3 idle; the buddy of (0, 2) is half busy
+    idle = _absorb_idle(groups, 4)
+    assert idle == ()
+    assert groups == {(0, 2): [0], (2, 2): [1]}  # (2,1) grew into idle rank 3 only
+    groups = {(0, 1): [0], (2, 2): [1]}  # rank 1 idle: (0,1) grows into it, then stops
+    assert _absorb_idle(groups, 4) == ()
+    assert groups == {(0, 2): [0], (2, 2): [1]}
+
+
+def test_micro_batches_never_share_sample_lists():
+    """Upstream `[[]] * N` made every GPU share one list: a sample landed everywhere."""
+    plan = schedule([40] * 12 + [300, 310], 4, 128, workload=MODEL)
+    owners: dict[int, int] = {}
+    for j, mb in enumerate(plan.micro_batches):
+        for g in mb.groups:
+            for s in g.samples:
+                assert s not in owners, (s, owners[s], j)
+                owners[s] = j
+    assert len(plan.micro_batches) > 1 and sorted(owners) == list(range(14))
+
+
+def test_error_messages_keep_their_fix():
+    """Upstream's assert message was cut by a newline: the 'try to increase' part was lost."""
+    with pytest.raises(ScheduleError) as info:
+        schedule([5000], 4, 100)
+    assert "max_seqlen_per_dp_cp_rank=100" in str(info.value)
+    assert "raise the cap or drop/split the sequence" in str(info.value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches())
+def test_group_cost_counts_every_sequence_after_expansion(batch):
+    """Upstream computed an expanded group's time from its first sequence only."""
+    lengths, n, cap, min_cp, vpp = batch
+    plan = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
+    for mb, reported in zip(plan.micro_batches, plan.summary["per_micro_batch"]):
+        slowest = max((sum(MODEL.cost(lengths[s], len(g.ranks)) for s in g.samples)
+                       for g in mb.groups), default=0.0)
+        assert reported["max"] == pytest.approx(slowest)
+
+
+def test_idle_ranks_are_explicit_not_a_silent_no_op():
+    """Upstream `sample_ids.extend([] * k)` padded nothing: idle GPUs vanished from the plan."""
+    plan = schedule([10, 12], 8, 1000, vpp=3)
+    for mb in plan.micro_batches:
+        assert sorted([r for g in mb.groups for r in g.ranks] + list(mb.idle_ranks)) == list(
+            range(8))
+    empty = sum(1 for mb in plan.micro_batches if not mb.groups)
+    assert empty >= 1 and plan.summary["idle_rank_slots"] == 8 * empty
+    assert len(plan.notes) == empty
+
+
+@pytest.mark.parametrize("vpp", [2, 3, 4])
+def test_vpp_alignment_never_wraps_around(vpp):
+    """Megatron-LM dev: `while sid0 in group[i] and i >= 0` read group[-1] (the last one)."""
+    lengths = [700, 30, 30, 30, 900, 64, 1000, 5, 5, 5, 5, 400]
+    plan = schedule(lengths, 4, 256, vpp=vpp)
+    assert len(plan.micro_batches) % vpp == 0
+    seen = [s for mb in plan.micro_batches for g in mb.groups for s in g.samples]
+    assert sorted(seen) == list(range(len(lengths)))  # no sample counted twice or lost
