@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
 
 from .groups import CPGroups, resolve_cp_groups, te_cp_kwargs
 from .reference import context_parallel_attention, local_attention
@@ -83,10 +82,8 @@ class ReferenceCPAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.cp_comm_type = cp_comm_type
-        tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None else 1
-        self.heads_per_partition = divide(config.num_attention_heads, tp)
-        kv = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else kv**-0.5
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         # Fail at build time, not mid-step, when CP is configured but its groups are missing.
         self.static_groups = resolve_cp_groups(
             config.context_parallel_size, cp_comm_type, pg_collection

@@ -70,29 +70,36 @@ def _new_acc(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int):
+    """Yield ``(src, kv of src)`` for each of the ``p`` ring steps.
+
+    The next step's K/V is already on its way while the caller computes with the current one.
+    """
+    p = len(ranks)
+    nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
+    for step in range(p):
+        if step < p - 1:
+            incoming = torch.empty_like(kv)
+            works = comm.ring_exchange(kv, incoming, group, nxt, prv)
+        yield (pos - step) % p, kv
+        if step < p - 1:
+            for w in works:
+                w.wait()
+            kv = incoming
+
+
 class RingAttention(torch.autograd.Function):
     """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
                 scale: float):
-        p, pos = len(ranks), layout.position
-        nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
         out, lse = _new_acc(q)
-        cur = _pack(k, v)
-        for step in range(p):
-            src = (pos - step) % p
-            if step < p - 1:
-                incoming = torch.empty_like(cur)
-                works = comm.ring_exchange(cur, incoming, group, nxt, prv)
-            kj, vj = _unpack(cur, k.shape, v.shape)
+        for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
+            kj, vj = _unpack(kv, k.shape, v.shape)
             block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
             _forward_block(q, kj, vj, block, scale, out, lse)
-            if step < p - 1:
-                for w in works:
-                    w.wait()
-                cur = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (layout, group, ranks, causal, scale)
         return out.to(q.dtype)
@@ -103,27 +110,19 @@ class RingAttention(torch.autograd.Function):
         layout, group, ranks, causal, scale = ctx.meta
         dout = dout.contiguous()
         p, pos = len(ranks), layout.position
-        nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
-        cur = _pack(k, v)
-        for step in range(p):
-            src = (pos - step) % p
-            if step < p - 1:
-                incoming = torch.empty_like(cur)
-                works = comm.ring_exchange(cur, incoming, group, nxt, prv)
-            kj, vj = _unpack(cur, k.shape, v.shape)
+        for src, kv in _ring_steps(_pack(k, v), group, ranks, pos):
+            kj, vj = _unpack(kv, k.shape, v.shape)
             dk, dv = _unpack(dkv, k.shape, v.shape)
             block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
             _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
-            if step < p - 1:
-                for w in works:
-                    w.wait()
-                cur = incoming
             if p > 1:  # dK/dV of `src` travel on; after the last step ours come home
                 arrived = torch.empty_like(dkv)
-                for w in comm.ring_exchange(dkv, arrived, group, nxt, prv):
+                works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + 1) % p],
+                                           ranks[(pos - 1) % p])
+                for w in works:
                     w.wait()
                 dkv = arrived
         dk, dv = _unpack(dkv, k.shape, v.shape)

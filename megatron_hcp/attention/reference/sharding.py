@@ -10,7 +10,7 @@ must be a multiple of ``2*cp`` (:func:`pad_thd` pads). ``cu_seqlens`` always des
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,30 @@ def check_cu_seqlens(
             )
 
 
+@lru_cache(maxsize=256)
+def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int
+                 ) -> tuple[torch.Tensor, ...]:
+    """Per-token sequence id, position, validity and the two halves' token indices."""
+    seq_ids, positions, first, second = [], [], [], []
+    offset = 0
+    mirror = 2 * cp - 1 - position
+    for i, p in enumerate(padded):
+        c = p // (2 * cp)
+        for chunk, bucket in ((position, first), (mirror, second)):
+            pos = torch.arange(chunk * c, (chunk + 1) * c)
+            positions.append(pos)
+            seq_ids.append(torch.full((c,), i))
+            bucket.append(torch.arange(offset, offset + c))
+            offset += c
+
+    def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
+
+    seq_id, pos = cat(seq_ids), cat(positions)
+    length = torch.tensor(real)[seq_id] if len(seq_id) else seq_id
+    return seq_id, pos, pos < length, cat(first), cat(second)
+
+
 @dataclass(frozen=True)
 class SeqLayout:
     """Where the tokens of one CP position sit (``thd``: per sequence; else one sequence).
@@ -114,26 +138,10 @@ class SeqLayout:
     def at(self, cp: int, position: int) -> SeqLayout:
         return SeqLayout(self.padded, self.real, cp, position)
 
-    @cached_property
+    @property
     def _meta(self) -> tuple[torch.Tensor, ...]:
-        seq_ids, positions, first, second = [], [], [], []
-        offset = 0
-        mirror = 2 * self.cp - 1 - self.position
-        for i, p in enumerate(self.padded):
-            c = p // (2 * self.cp)
-            for chunk, bucket in ((self.position, first), (mirror, second)):
-                pos = torch.arange(chunk * c, (chunk + 1) * c)
-                positions.append(pos)
-                seq_ids.append(torch.full((c,), i))
-                bucket.append(torch.arange(offset, offset + c))
-                offset += c
-        def cat(xs: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
-
-        seq_id, pos = cat(seq_ids), cat(positions)
-        real = torch.tensor(self.real)[seq_id] if len(seq_id) else seq_id
-        return seq_id, pos, pos < real, cat(first), cat(second)
-
+        # every ring step asks for another position's layout: compute each one once
+        return _layout_meta(self.padded, self.real, self.cp, self.position)
     @property
     def seq_id(self) -> torch.Tensor:
         return self._meta[0]
