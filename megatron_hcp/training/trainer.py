@@ -41,6 +41,7 @@ class TinyGPTSpec:
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     hierarchical_context_parallel_sizes: list[int] | None = None
+    share_embeddings_and_output_weights: bool = False
     attention_backend: str = "reference"
     extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -102,8 +103,12 @@ def _global_param_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]
             names[f"layer{layer.layer_number}.{name}"] = param
             layer_params.add(id(param))
     for name, param in model.named_parameters():
-        if id(param) not in layer_params:
-            names[name] = param
+        if id(param) in layer_params:
+            continue
+        if getattr(param, "shared_embedding", False):
+            # tied output weight on the last pipeline stage: same draw as the embedding
+            name = "embedding.word_embeddings.weight"
+        names[name] = param
     return names
 
 
@@ -162,6 +167,7 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
         pg_collection=pg_collection,
     )
     deterministic_init(model, spec.seed, pgs.tp.rank(), pgs.tp.size())

@@ -20,7 +20,7 @@ def world():
         yield w
 
 
-def train(tp, cp, pp, comm, hcp, steps=3):
+def train(tp, cp, pp, comm, hcp, steps=3, tied=False):
     """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer."""
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
@@ -40,7 +40,7 @@ def train(tp, cp, pp, comm, hcp, steps=3):
             num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
             tensor_model_parallel_size=tp, context_parallel_size=cp,
             pipeline_model_parallel_size=pp, cp_comm_type=comm,
-            hierarchical_context_parallel_sizes=hcp))
+            hierarchical_context_parallel_sizes=hcp, share_embeddings_and_output_weights=tied))
     finally:
         destroy_model_parallel()
 
@@ -79,6 +79,17 @@ def test_cp_training_equals_cp1(world, baseline, tp, cp, pp, comm, hcp):
             assert rel <= RTOL, (rank, key, run[key], baseline[key])
     # the model really trains (the check would be empty on a frozen model)
     assert baseline["loss"][0] != baseline["loss"][-1]
+
+
+def test_tied_embeddings_across_pipeline_stages(world):
+    """PP=2 ties the output layer to the embedding through an all-reduce (cpu-tied-embedding-sync
+    makes it run on CPU); the tied model trains exactly like PP=1 with one shared weight."""
+    want = world.run(train, 1, 1, 1, "p2p", None, 3, True)[0]
+    assert want != world.run(train, 1, 1, 1, "p2p", None, 3, False)[0]  # tying matters
+    for run in world.run(train, 1, 2, 2, "p2p", None, 3, True):
+        for key in ("loss", "grad_norm"):
+            got, ref = torch.tensor(run[key]), torch.tensor(want[key])
+            assert ((got - ref).abs() / ref.abs()).max() <= RTOL, (key, run, want)
 
 
 # ---------------------------------------------------------------- silent CP-off guard
