@@ -17,7 +17,6 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -25,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["LocalWorld", "RankError", "free_port"]
+__all__ = ["LocalWorld", "RankError"]
 
 _PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
 
@@ -39,13 +38,6 @@ class RankError(RuntimeError):
         super().__init__(
             f"failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}"
         )
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(
@@ -69,9 +61,14 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # The parent process owns the store server (bound to port 0, so no other process can take
+    # the port between choosing and binding it); every rank joins as a client.
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -114,6 +111,7 @@ class LocalWorld:
         self._procs: list[mp.Process] = []
         self._tasks: list[mp.Queue] = []
         self._results: mp.Queue | None = None
+        self._store: Any = None
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> LocalWorld:
@@ -121,7 +119,13 @@ class LocalWorld:
             return self
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(self.preload)
-        port = free_port()
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         env = {"OMP_NUM_THREADS": "1", **self.env}
@@ -150,6 +154,7 @@ class LocalWorld:
                 proc.kill()
                 proc.join()
         self._procs, self._tasks, self._results = [], [], None
+        self._store = None
 
     def __enter__(self) -> LocalWorld:
         return self.start()
