@@ -96,8 +96,17 @@ class CPConfig:
     dynamic_context_parallel: bool = False
     min_dynamic_context_parallel_size: int = 1
     max_seqlen_per_dp_cp_rank: int | None = None
+    hybrid_context_parallel: bool = False
+    calculate_per_token_loss: bool | None = None
+    cuda_graph_impl: str = "none"
+    enable_cuda_graph: bool = False
+    use_megatron_fsdp: bool = False
     te_version: str | None = None
     cp_attention_backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        if self.hybrid_context_parallel is True:  # deprecated alias (advice in validate())
+            self.dynamic_context_parallel = True
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -427,9 +436,41 @@ class CPConfig:
                 )
             )
 
+    @property
+    def dynamic(self) -> bool:
+        """Dynamic CP on (``hybrid_context_parallel`` is megatron-core 0.16's name for it)."""
+        return bool(self.dynamic_context_parallel or self.hybrid_context_parallel)
+
     def _check_dynamic(self, out: list[Violation], advice: list[str]) -> None:
-        if not self.dynamic_context_parallel:
+        if self.hybrid_context_parallel:
+            advice.append(
+                "hybrid_context_parallel is megatron-core 0.16's name for dynamic CP and is "
+                "deprecated here: set dynamic_context_parallel=True instead"
+            )
+        if not self.dynamic:
             return
+        if self.calculate_per_token_loss is False:
+            out.append(Violation(
+                "calculate_per_token_loss", False,
+                "dynamic CP needs per-token loss: micro-batches hold different token counts, so "
+                "averaging per micro-batch would weight tokens unequally",
+                "set calculate_per_token_loss=True (the default with dynamic CP)"))
+        if self.enable_cuda_graph or self.cuda_graph_impl not in ("none", None):
+            out.append(Violation(
+                "cuda_graph_impl", self.cuda_graph_impl if self.cuda_graph_impl != "none"
+                else "enable_cuda_graph=True",
+                "dynamic CP changes tensor shapes and CP groups per micro-batch; CUDA graphs "
+                "capture fixed ones", "disable CUDA graphs (cuda_graph_impl=none)"))
+        if self.use_megatron_fsdp:
+            out.append(Violation(
+                "use_megatron_fsdp", True,
+                "dynamic CP is not supported with Megatron FSDP (upstream rule)",
+                "use DDP or the distributed optimizer"))
+        if self.uses_hierarchical:
+            out.append(Violation(
+                "cp_comm_type", self.cp_comm_type,
+                "dynamic CP switches between flat per-micro-batch groups; a2a+p2p needs fixed "
+                "hierarchical groups", "use cp_comm_type p2p, all_gather or a2a with dynamic CP"))
         n = self.dp_cp_size
         m = self.min_dynamic_context_parallel_size
         if isinstance(m, int) and not _is_power_of_two(m):
@@ -450,13 +491,15 @@ class CPConfig:
                     f"use at most {n}",
                 )
             )
-        if n % 2:
+        if n < 2 or not _is_power_of_two(n):
             out.append(
                 Violation(
                     "data_parallel_size",
                     self.data_parallel_size,
-                    f"dynamic CP needs an even DPxCP size, got {n}",
-                    "use an even data_parallel_size*context_parallel_size",
+                    f"dynamic CP needs DPxCP = data_parallel_size*context_parallel_size to be a "
+                    f"power of two >= 2 (its groups are aligned power-of-two blocks), got {n}",
+                    "choose data_parallel_size and context_parallel_size so that their product "
+                    "is 2, 4, 8, ...",
                 )
             )
         cap = self.max_seqlen_per_dp_cp_rank

@@ -34,7 +34,9 @@ class RankError(RuntimeError):
 
     def __init__(self, errors: dict[int, tuple[str, str]]):
         self.errors = errors
-        first = min(errors)
+        # a real traceback explains more than the time-outs of the ranks that waited for it
+        real = [r for r, (kind, _) in errors.items() if kind not in ("Timeout", "ProcessDied")]
+        first = min(real or errors)
         super().__init__(
             f"failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}"
         )

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..dynamic_cp.groups import create_dynamic_cp_groups
 from ..parallel_state.layout import ParallelLayout
 from ..parallel_state.report import describe_cp_groups
 
@@ -159,6 +160,12 @@ def create_pg_collection(
         inter_dist_opt=None,
         intra_dist_opt=None,
     )
+    if config.dynamic_context_parallel:
+        # not a ProcessGroupCollection field in megatron-core 0.16: an extra attribute, read
+        # by megatron_hcp.dynamic_cp.runtime and destroyed by destroy_pg_collection
+        collection.dynamic_cp = create_dynamic_cp_groups(
+            layout.groups["dp_cp"], groups["dp_cp"], config.min_dynamic_context_parallel_size,
+            timeout=timeout, pg_options=pg_options)
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(layout):
             logger.info(line)
@@ -175,4 +182,7 @@ def destroy_pg_collection(collection: Any) -> None:
     for f in fields(collection):
         value = getattr(collection, f.name, None)
         groups.extend(value if isinstance(value, (list, tuple)) else [value])
+    dynamic = getattr(collection, "dynamic_cp", None)
+    if dynamic is not None:
+        dynamic.destroy()
     destroy_groups(groups)

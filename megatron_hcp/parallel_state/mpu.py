@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..dynamic_cp.groups import DynamicCPGroups
 from .layout import ParallelLayout
 from .report import describe_cp_groups
 
@@ -25,6 +26,7 @@ __all__ = [
     "LayoutMismatchError",
     "destroy_groups",
     "destroy_model_parallel",
+    "dynamic_cp_groups",
     "forget_stale_groups",
     "initialize_model_parallel",
 ]
@@ -136,10 +138,51 @@ def initialize_model_parallel(
         hierarchical_sizes=tuple(hcp) if hcp else None,
     )
     verify_against_layout(ps, layout)
+    if config.dynamic_context_parallel:
+        _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
+                               megatron_kwargs)
     if dist.get_rank() == 0:
         for line in describe_cp_groups(layout):
             logger.info(line)
     return layout
+
+
+def _create_dynamic_groups(ps: Any, layout: ParallelLayout, min_size: int,
+                           megatron_kwargs: dict[str, Any]) -> None:
+    """Dynamic CP groups into megatron's ``_HYBRID_DP_CP_GROUPS`` (created by megatron's
+    ``create_group`` so that ``destroy_model_parallel`` destroys them)."""
+    from datetime import timedelta
+
+    from ..dynamic_cp.groups import create_dynamic_cp_groups
+
+    minutes = megatron_kwargs.get("distributed_timeout_minutes")
+    groups = create_dynamic_cp_groups(
+        layout.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
+        min_size, new_group=ps.create_group,
+        timeout=timedelta(minutes=minutes) if minutes else None,
+    )
+    table = ps._HYBRID_DP_CP_GROUPS
+    table.clear()
+    # every allowed size but DPxCP (megatron answers that one with its DPxCP group); size 1
+    # maps to None, megatron's "local_cp_size 1, no group"
+    table.update({size: g for size, g in groups.by_size.items() if size != groups.size})
+
+
+def dynamic_cp_groups() -> DynamicCPGroups:
+    """This rank's dynamic CP groups on the MPU path (after :func:`initialize_model_parallel`
+    with ``dynamic_context_parallel``)."""
+    from megatron.core import parallel_state as ps
+
+    table = dict(ps._HYBRID_DP_CP_GROUPS or {})
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    ranks = dist.get_process_group_ranks(dp_cp)
+    by_size: dict[int, Any] = {**table, len(ranks): dp_cp}
+    if not table and len(ranks) > 1:
+        raise RuntimeError(
+            "no dynamic CP groups: call megatron_hcp.parallel_state.initialize_model_parallel "
+            "with a config that sets dynamic_context_parallel=True"
+        )
+    return DynamicCPGroups(ranks, by_size, min(by_size))
 
 
 # Module globals of megatron-core 0.16.1's parallel_state that destroy_model_parallel leaves set

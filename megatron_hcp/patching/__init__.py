@@ -9,11 +9,15 @@ from .registry import Patch, PatchError, apply, is_applied, megatron_core_versio
 __all__ = [
     "ALL_PATCHES",
     "CPU_RUNTIME_PATCHES",
+    "DECENTRALIZED_PATCHES",
+    "DYNAMIC_CP_PATCHES",
     "INTEGRATION_PATCHES",
     "Patch",
     "PatchError",
     "apply",
     "apply_cpu_runtime",
+    "apply_dynamic_cp",
+    "require_applied",
     "by_name",
     "is_applied",
     "megatron_core_version",
@@ -33,3 +37,27 @@ def by_name(names: list[str] | None = None) -> list[Patch]:
     if unknown:
         raise PatchError(f"unknown patch(es) {unknown}; known: {sorted(table)}")
     return [table[n] for n in names]
+
+
+# what megatron-core needs to run dynamic-CP micro-batches (RoPE per micro-batch group;
+# variable packed lengths through pipeline stages)
+DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-shape-exchange-order")
+
+# what megatron-core's training path needs without MPU globals (decentralized process groups)
+DECENTRALIZED_PATCHES: tuple[str, ...] = ("cross-entropy-model-tp-group",
+                                          "chained-optimizer-count-zeros-tp-group")
+
+
+def apply_dynamic_cp() -> None:
+    """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent)."""
+    apply(by_name(list(DYNAMIC_CP_PATCHES)))
+
+
+def require_applied(names: tuple[str, ...], why: str) -> None:
+    """Raise :class:`PatchError` naming the patches of ``names`` that are not applied."""
+    missing = [p.name for p in by_name(list(names)) if not is_applied(p)]
+    if missing:
+        raise PatchError(
+            f"{why} needs the megatron-core patches {missing}; apply them first "
+            "(megatron_hcp.patching.apply_dynamic_cp() or `megatron-hcp patch apply`)"
+        )

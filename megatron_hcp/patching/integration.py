@@ -96,6 +96,67 @@ def _make_attention_forward(original):
     return forward
 
 
+def _make_communicate_shapes(original):
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        """Exchange the [s, b, h] shapes of the tensors about to travel, in the even/odd order
+        of megatron's ``_p2p_ops``: with two stages the previous and next rank are the same
+        peer, and posting send_prev before send_next on every rank pairs the activation's
+        shape with the gradient's receive."""
+        import torch
+        import torch.distributed as dist
+
+        sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
+        device = sent.device if sent is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        recv_prev_t = torch.empty(3, dtype=torch.int64, device=device) if recv_prev else None
+        recv_next_t = torch.empty(3, dtype=torch.int64, device=device) if recv_next else None
+
+        def shape(t):
+            return torch.tensor(t.size(), dtype=torch.int64, device=device)
+
+        send_next = (lambda: dist.isend(shape(tensor_send_next), self.next_rank,
+                                        group=self.pp_group)) if tensor_send_next is not None \
+            else None
+        send_prev = (lambda: dist.isend(shape(tensor_send_prev), self.prev_rank,
+                                        group=self.pp_group)) if tensor_send_prev is not None \
+            else None
+        get_prev = (lambda: dist.irecv(recv_prev_t, self.prev_rank, group=self.pp_group)
+                    ) if recv_prev else None
+        get_next = (lambda: dist.irecv(recv_next_t, self.next_rank, group=self.pp_group)
+                    ) if recv_next else None
+        order = ((send_next, get_prev, send_prev, get_next) if self.pp_group.rank() % 2 == 0
+                 else (get_prev, send_next, get_next, send_prev))
+        for work in [post() for post in order if post is not None]:
+            work.wait()
+        return ([0, 0, 0] if recv_prev_t is None else recv_prev_t.tolist(),
+                [0, 0, 0] if recv_next_t is None else recv_next_t.tolist())
+
+    return _communicate_shapes
+
+
+def _make_count_zeros(original):
+    def count_zeros(self):
+        """Zeros in the gradients of every chained optimizer, with their model's TP group."""
+        from megatron.core.optimizer.clip_grads import count_zeros_fp32
+
+        if not self.grads_states_parallel_group_is_shared():
+            return original(self)
+        tp_groups = {id(getattr(o, "tp_group", None)): getattr(o, "tp_group", None)
+                     for o in self.chained_optimizers}
+        if len(tp_groups) != 1:
+            return original(self)
+        params = [p for o in self.chained_optimizers for p in o.get_parameters()]
+        return count_zeros_fp32(
+            params,
+            grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
+            use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            tp_group=next(iter(tp_groups.values())),
+        )
+
+    return count_zeros
+
+
 INTEGRATION_PATCHES: tuple[Patch, ...] = (
     Patch(
         name="attention-dynamic-cp-rope",
@@ -148,6 +209,34 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
             Target(_TE, "TEDotProductAttention.forward", make_te_forward),
         ),
         requires_te=True,
+    ),
+    Patch(
+        name="p2p-shape-exchange-order",
+        summary="pipeline shape exchange (variable_seq_lengths) posts its sends/receives in "
+        "the even/odd order of the data exchange, so PP=2 with VPP pairs each shape with the "
+        "right tensor",
+        upstream="megatron/core/pipeline_parallel/p2p_communication.py:165-252 "
+        "_communicate_shapes posts send_prev, recv_prev, send_next, recv_next on every rank; "
+        "with 2 stages prev == next and an activation shape is received as a gradient shape "
+        "(measured on gloo: dynamic CP with VPP fails with mismatched packed lengths)",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.pipeline_parallel.p2p_communication",
+                   "P2PCommunicator._communicate_shapes", _make_communicate_shapes),
+        ),
+    ),
+    Patch(
+        name="chained-optimizer-count-zeros-tp-group",
+        summary="ChainedOptimizer.count_zeros passes the optimizers' TP group (log_num_zeros_in_"
+        "grad works on the decentralized path without MPU globals)",
+        upstream="megatron/core/optimizer/optimizer.py:1289-1298 ChainedOptimizer.count_zeros "
+        "calls count_zeros_fp32 without tp_group, which then reads the global TP group "
+        "(clip_grads.py:222); MegatronOptimizer.count_zeros (226-231) passes it",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.optimizer.optimizer", "ChainedOptimizer.count_zeros",
+                   _make_count_zeros),
+        ),
     ),
     Patch(
         name="pg-collection-repr",

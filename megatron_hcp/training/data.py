@@ -6,13 +6,21 @@ runs with different parallel layouts see identical data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention.reference.sharding import get_local_chunk
 
-__all__ = ["MicroBatch", "global_batch", "static_cp_micro_batches"]
+__all__ = [
+    "MicroBatch",
+    "global_batch",
+    "static_cp_micro_batches",
+    "varlen_lengths",
+    "varlen_sample",
+]
 
 
 @dataclass
@@ -66,3 +74,30 @@ def static_cp_micro_batches(
         out.append(MicroBatch(*(cut(x, part) for x in (
             data["tokens"], data["labels"], data["loss_mask"], positions))))
     return out
+
+
+def varlen_lengths(seed: int, step: int, batch: int, *, min_len: int, max_len: int,
+                   mean: float, sigma: float) -> list[int]:
+    """Sequence lengths of one global batch: a lognormal with median ``mean`` and shape
+    ``sigma``, clipped to ``[min_len, max_len]`` (upstream's variable-length mock data)."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len={min_len} <= max_len={max_len}")
+    rng = np.random.default_rng([seed, step, 1])
+    draws = rng.lognormal(mean=math.log(mean), sigma=sigma, size=batch)
+    return [int(x) for x in np.clip(np.rint(draws), min_len, max_len)]
+
+
+def varlen_sample(seed: int, step: int, sample_id: int, length: int, vocab: int
+                  ) -> torch.Tensor:
+    """Sample ``sample_id`` of a step as an int64 ``[3, length]`` tensor: tokens, labels
+    (tokens shifted by one), loss mask (the first two tokens masked). Depends only on its
+    arguments, so the rank that loads it can be any rank."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + sample_id)
+    period = 3 + sample_id % 7
+    motif = torch.randint(0, vocab, (period,), generator=gen)
+    text = motif.repeat(length // period + 2)[: length + 1]
+    noise = torch.rand(text.shape, generator=gen) < 0.1
+    text = torch.where(noise, torch.randint(0, vocab, text.shape, generator=gen), text)
+    mask = torch.ones(length, dtype=torch.int64)
+    mask[: min(2, length)] = 0
+    return torch.stack([text[:-1], text[1:], mask])

@@ -16,9 +16,22 @@ import torch
 import torch.distributed as dist
 
 from ..attention.module import gpt_layer_spec
-from .data import global_batch, static_cp_micro_batches
+from .data import global_batch, static_cp_micro_batches, varlen_lengths, varlen_sample
 
-__all__ = ["TinyGPTSpec", "train_tiny_gpt"]
+__all__ = ["TinyGPTSpec", "VarLen", "train_tiny_gpt"]
+
+
+@dataclass
+class VarLen:
+    """Variable-length packed (THD) data: lognormal lengths (median ``mean``, shape ``sigma``)
+    clipped to ``[min_len, max_len]``; static runs pack ``samples_per_micro_batch`` samples."""
+
+    min_len: int = 16
+    max_len: int = 256
+    mean: float = 64.0
+    sigma: float = 1.2
+    samples_per_micro_batch: int = 1
+    lengths: list[int] | None = None  # fixed lengths for every step (instead of drawing them)
 
 
 @dataclass
@@ -43,6 +56,11 @@ class TinyGPTSpec:
     hierarchical_context_parallel_sizes: list[int] | None = None
     share_embeddings_and_output_weights: bool = False
     attention_backend: str = "reference"
+    virtual_pipeline_model_parallel_size: int | None = None
+    varlen: VarLen | None = None
+    dynamic_context_parallel: bool = False
+    max_seqlen_per_dp_cp_rank: int | None = None
+    min_dynamic_context_parallel_size: int = 1
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,6 +77,11 @@ def _transformer_config(spec: TinyGPTSpec):
         context_parallel_size=spec.context_parallel_size,
         cp_comm_type=spec.cp_comm_type,
         hierarchical_context_parallel_sizes=spec.hierarchical_context_parallel_sizes,
+        virtual_pipeline_model_parallel_size=spec.virtual_pipeline_model_parallel_size,
+        variable_seq_lengths=spec.varlen is not None and spec.pipeline_model_parallel_size > 1,
+        # (no MoE here; megatron rejects variable_seq_lengths with the allgather default)
+        moe_token_dispatcher_type="alltoall",
+        max_seqlen_per_dp_cp_rank=spec.max_seqlen_per_dp_cp_rank,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -72,6 +95,7 @@ def _transformer_config(spec: TinyGPTSpec):
         persist_layer_norm=False,
         calculate_per_token_loss=True,
         batch_p2p_sync=False,
+        batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
         **spec.extra_config,
     )
@@ -145,11 +169,114 @@ def _groups(pg_collection):
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) -> list[Any]:
+    """The model chunks of this pipeline rank (one, or one per virtual stage)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
+    vpp = spec.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp in range(vpp):
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_layer_spec(spec.attention_backend),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=pp_rank == 0 and vp == 0,
+            post_process=pp_rank == pp_size - 1 and vp == vpp - 1,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
+            pg_collection=pg_collection,
+            **({"vp_stage": vp} if spec.virtual_pipeline_model_parallel_size else {}),
+        )
+        deterministic_init(chunk, spec.seed, pgs.tp.rank(), pgs.tp.size())
+        chunks.append(chunk)
+    return chunks
+
+
+def _dynamic_groups(pg_collection: Any):
+    if pg_collection is not None:
+        groups = getattr(pg_collection, "dynamic_cp", None)
+        if groups is None:
+            raise ValueError(
+                "dynamic_context_parallel=True but pg_collection has no dynamic_cp groups: "
+                "build it with megatron_hcp.bridge.create_pg_collection(config) where "
+                "config.dynamic_context_parallel is True"
+            )
+        return groups
+    from ..parallel_state.mpu import dynamic_cp_groups
+
+    return dynamic_cp_groups()
+
+
+class _StepData:
+    """Micro-batches of one step for the spec's data mode (fixed, packed static, dynamic)."""
+
+    def __init__(self, spec: TinyGPTSpec, pgs: Any, pg_collection: Any, multiple: int):
+        self.spec = spec
+        self.dp_size, self.dp_rank = pgs.dp.size(), pgs.dp.rank()
+        self.cp_size, self.cp_rank = pgs.cp.size(), pgs.cp.rank()
+        self.path = None
+        if spec.dynamic_context_parallel:
+            from ..dynamic_cp.runtime import DynamicCPDataPath
+            from ..patching import DYNAMIC_CP_PATCHES, require_applied
+
+            if spec.varlen is None:
+                raise ValueError("dynamic_context_parallel needs variable-length packed data "
+                                 "(spec.varlen)")
+            require_applied(DYNAMIC_CP_PATCHES, "dynamic context parallelism")
+            from ..dynamic_cp.workload import GPTWorkload
+
+            self.path = DynamicCPDataPath(
+                _dynamic_groups(pg_collection), dp_group=pgs.dp, cp_group=pgs.cp,
+                tp_group=pgs.tp, max_seqlen_per_dp_cp_rank=spec.max_seqlen_per_dp_cp_rank,
+                min_cp_size=spec.min_dynamic_context_parallel_size,
+                workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                                     num_attention_heads=spec.num_attention_heads,
+                                     num_query_groups=spec.num_query_groups),
+                micro_batch_multiple=multiple)
+        rows = spec.global_batch_size
+        unit = spec.micro_batch_size * self.dp_size if spec.varlen is None else self.dp_size
+        if rows % unit:
+            raise ValueError(f"global_batch_size={rows} must be a multiple of {unit} "
+                             "(micro_batch_size * data-parallel size)")
+
+    def micro_batches(self, step: int) -> list[Any]:
+        spec = self.spec
+        rows = spec.global_batch_size
+        if spec.varlen is None:
+            data = global_batch(spec.seed, step, rows, spec.seq_length, spec.vocab_size)
+            return static_cp_micro_batches(
+                data, dp_size=self.dp_size, dp_rank=self.dp_rank,
+                micro_batch_size=spec.micro_batch_size, cp_size=self.cp_size,
+                cp_rank=self.cp_rank)
+        from ..dynamic_cp.packing import pack_thd
+
+        v = spec.varlen
+        lengths = list(v.lengths) if v.lengths else varlen_lengths(
+            spec.seed, step, rows, min_len=v.min_len, max_len=v.max_len, mean=v.mean,
+            sigma=v.sigma)
+        per = rows // self.dp_size
+        ids = range(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+        def load(i: int) -> torch.Tensor:
+            return varlen_sample(spec.seed, step, i, lengths[i], spec.vocab_size)
+
+        if self.path is not None:
+            _, micro = self.path.step(ids, load)
+            return micro
+        samples = [load(i) for i in ids]
+        k = v.samples_per_micro_batch
+        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank)
+                for j in range(0, len(samples), k)]
+
+
 def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, list[float]]:
-    """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...]}``."""
+    """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...],
+    "num_zeros": [...], "micro_batches": [...], "local_cp_sizes": [...]}``; all but the last
+    (this rank's CP group size per micro-batch) are identical on every rank."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -158,72 +285,59 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
     config = _transformer_config(spec)
     torch.manual_seed(spec.seed)
     model_parallel_cuda_manual_seed(spec.seed, tp_rank=pgs.tp.rank(), ep_rank=0, etp_rank=0)
-    pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_layer_spec(spec.attention_backend),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
-        pg_collection=pg_collection,
-    )
-    deterministic_init(model, spec.seed, pgs.tp.rank(), pgs.tp.size())
+    pp_size = pgs.pp.size()
+    chunks = _build_chunks(spec, config, pg_collection, pgs)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
-                                    pg_collection=pg_collection)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                     pg_collection=pg_collection) for chunk in chunks]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=0.0, clip_grad=0.0,
-                        use_distributed_optimizer=False),
-        [model],
+                        use_distributed_optimizer=False, log_num_zeros_in_grad=True),
+        model,
         use_gloo_process_groups=False,
         pg_collection=pg_collection,
     )
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
 
-    dp_size, dp_rank = pgs.dp.size(), pgs.dp.rank()
-    cp_size, cp_rank = pgs.cp.size(), pgs.cp.rank()
-    forward_backward = get_forward_backward_func(pp_size=pp_size)
+    forward_backward = get_forward_backward_func(
+        pp_size=pp_size, vp_size=spec.virtual_pipeline_model_parallel_size)
     schedule_groups: dict[str, Any] = {}
     if pg_collection is not None:  # decentralized path: no MPU globals are read
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         schedule_groups = {"pg_collection": pg_collection,
                            "p2p_communicator": P2PCommunicator(pp_group=pgs.pp, config=config)}
-    history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    rows = spec.global_batch_size
-    if rows % (spec.micro_batch_size * dp_size):
-        raise ValueError(
-            f"global_batch_size={rows} must be a multiple of micro_batch_size*dp="
-            f"{spec.micro_batch_size * dp_size}"
-        )
-    num_micro_batches = rows // (spec.micro_batch_size * dp_size)
+    multiple = pp_size if spec.virtual_pipeline_model_parallel_size else 1
+    data = _StepData(spec, pgs, pg_collection, multiple)
+    history: dict[str, list] = {"loss": [], "grad_norm": [], "num_zeros": [],
+                                "micro_batches": [], "local_cp_sizes": []}
     for step in range(spec.steps):
-        data = global_batch(spec.seed, step, rows, spec.seq_length, spec.vocab_size)
-        micro = static_cp_micro_batches(
-            data, dp_size=dp_size, dp_rank=dp_rank, micro_batch_size=spec.micro_batch_size,
-            cp_size=cp_size, cp_rank=cp_rank,
-        )
-        model.zero_grad_buffer()
+        micro = data.micro_batches(step)
+        for m in model:
+            m.zero_grad_buffer()
         optimizer.zero_grad()
+        iterator = ([iter(micro) for _ in model] if len(model) > 1 else iter(micro))
         reports = forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=iter(micro),
-            model=[model],
-            num_microbatches=num_micro_batches,
-            seq_length=spec.seq_length,
-            micro_batch_size=spec.micro_batch_size,
+            data_iterator=iterator,
+            model=model,
+            num_microbatches=len(micro),
+            seq_length=spec.seq_length if spec.varlen is None else max(
+                int(mb.tokens.shape[1]) for mb in micro),
+            micro_batch_size=spec.micro_batch_size if spec.varlen is None else 1,
             forward_only=False,
             **schedule_groups,
         )
-        _, grad_norm, _ = optimizer.step()
+        _, grad_norm, num_zeros = optimizer.step()
         history["loss"].append(_global_loss(reports, pgs))
         history["grad_norm"].append(float(grad_norm))
+        history["num_zeros"].append(float(num_zeros or 0))
+        history["micro_batches"].append(len(micro))
+        history["local_cp_sizes"].append([
+            getattr(mb.packed_seq_params, "local_cp_size", None) for mb in micro])
     return history
 
 

@@ -62,7 +62,28 @@ BAD = [
      "min_dynamic_context_parallel_size", "<= data_parallel_size*context_parallel_size=4"),
     (dict(dynamic_context_parallel=True, context_parallel_size=1, data_parallel_size=3,
           max_seqlen_per_dp_cp_rank=1024),
-     "data_parallel_size", "even DPxCP"),
+     "data_parallel_size", "power of two >= 2"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=3,
+          max_seqlen_per_dp_cp_rank=1024),
+     "data_parallel_size", "power of two >= 2"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+          max_seqlen_per_dp_cp_rank=1024, calculate_per_token_loss=False),
+     "calculate_per_token_loss", "per-token loss"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+          max_seqlen_per_dp_cp_rank=1024, cuda_graph_impl="local"),
+     "cuda_graph_impl", "CUDA graphs"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+          max_seqlen_per_dp_cp_rank=1024, enable_cuda_graph=True),
+     "cuda_graph_impl", "CUDA graphs"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+          max_seqlen_per_dp_cp_rank=1024, use_megatron_fsdp=True),
+     "use_megatron_fsdp", "FSDP"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=4, data_parallel_size=2,
+          max_seqlen_per_dp_cp_rank=1024, cp_comm_type="a2a+p2p",
+          hierarchical_context_parallel_sizes=[2, 2]),
+     "cp_comm_type", "hierarchical"),
+    (dict(hybrid_context_parallel=True, context_parallel_size=2, data_parallel_size=2),
+     "max_seqlen_per_dp_cp_rank", "positive token cap"),
     (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2),
      "max_seqlen_per_dp_cp_rank", "positive token cap"),
     (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
@@ -143,7 +164,9 @@ def oracle_is_valid(c: dict) -> bool:
     if c["dynamic_context_parallel"]:
         n = cp * c["data_parallel_size"]
         m = c["min_dynamic_context_parallel_size"]
-        if m & (m - 1) or m > n or n % 2 or c["max_seqlen_per_dp_cp_rank"] <= 0:
+        if m & (m - 1) or m > n or n < 2 or n & (n - 1) or c["max_seqlen_per_dp_cp_rank"] <= 0:
+            return False
+        if uses_h:
             return False
     return True
 
@@ -208,3 +231,14 @@ def test_cli_check_config_invalid_lists_every_rule(capsys):
 def test_cli_check_config_garbage_exits_2(args, capsys):
     assert cli_main(["check-config", *args]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_hybrid_context_parallel_is_a_deprecated_alias_of_dynamic_cp():
+    config = CPConfig(hybrid_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+                      max_seqlen_per_dp_cp_rank=512)
+    assert config.dynamic_context_parallel and config.dynamic
+    advice = config.validate()
+    assert any("hybrid_context_parallel" in a and "deprecated" in a for a in advice)
+    assert not any("deprecated" in a for a in CPConfig(
+        dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
+        max_seqlen_per_dp_cp_rank=512).validate())

@@ -152,12 +152,13 @@ def train(path, cp, hcp):
 
     from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
-    from megatron_hcp.patching import apply, apply_cpu_runtime, by_name
+    from megatron_hcp.patching import DECENTRALIZED_PATCHES, apply, apply_cpu_runtime, by_name
     from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
 
     apply_cpu_runtime()
-    # 0.16.1's unfused LM loss reads the MPU TP group; the decentralized path needs this patch
-    apply(by_name(["cross-entropy-model-tp-group"]))
+    # 0.16.1's unfused LM loss and ChainedOptimizer.count_zeros read the MPU TP group; the
+    # decentralized path needs these patches
+    apply(by_name(list(DECENTRALIZED_PATCHES)))
     spec = TinyGPTSpec(context_parallel_size=cp, cp_comm_type="a2a+p2p" if hcp else "p2p",
                        hierarchical_context_parallel_sizes=hcp, micro_batch_size=1,
                        num_query_groups=2)

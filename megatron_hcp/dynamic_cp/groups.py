@@ -1,0 +1,132 @@
+"""Dynamic-CP process groups: aligned power-of-two blocks of every DPxCP group, by size.
+
+For a DPxCP group of ``N`` ranks and every power of two ``c`` from the minimum dynamic CP size up
+to ``N``, the ranks are cut into contiguous aligned blocks of ``c`` (the arithmetic of
+:func:`megatron_hcp.parallel_state.layout.dynamic_cp_blocks`). Size ``N`` is the DPxCP group
+itself and size 1 is "no CP" (no group, megatron's ``local_cp_size == 1`` convention), so only
+sizes strictly between are created. Creation is collective over the whole world and runs in
+the same order on every rank; a warm-up all-reduce on each new group makes a broken group fail
+at start-up instead of inside the first training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel_state.layout import dynamic_cp_blocks
+
+__all__ = ["DynamicCPGroups", "create_dynamic_cp_groups"]
+
+
+@dataclass
+class DynamicCPGroups:
+    """This rank's dynamic CP groups.
+
+    ``dp_cp_ranks`` are the global ranks of this rank's DPxCP group in group order (positions in
+    a dynamic-CP plan index this list); ``by_size`` maps a size to this rank's group of that
+    size (1 -> None, ``len(dp_cp_ranks)`` -> the DPxCP group).
+    """
+
+    dp_cp_ranks: list[int]
+    by_size: dict[int, Any]
+    min_size: int = 1
+    created: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.dp_cp_ranks)
+
+    @property
+    def position(self) -> int:
+        """This rank's position in its DPxCP group."""
+        return self.dp_cp_ranks.index(dist.get_rank())
+
+    def group(self, size: int) -> Any:
+        """This rank's group of ``size`` ranks (None for 1)."""
+        if size not in self.by_size:
+            raise ValueError(
+                f"no dynamic CP group of size {size}: sizes are {sorted(self.by_size)} "
+                f"(powers of two from min_dynamic_context_parallel_size={self.min_size} up to "
+                f"DPxCP={self.size})"
+            )
+        return self.by_size[size]
+
+    def destroy(self) -> None:
+        """Destroy the groups this object created (never the DPxCP group it was given)."""
+        from ..parallel_state.mpu import destroy_groups
+
+        destroy_groups(self.created)
+        self.created.clear()
+        self.by_size.clear()
+
+
+def create_dynamic_cp_groups(
+    all_dp_cp_ranks: Sequence[Sequence[int]],
+    dp_cp_group: Any,
+    min_size: int = 1,
+    *,
+    new_group: Callable[..., Any] | None = None,
+    timeout: Any = None,
+    pg_options: Any = None,
+    warm_up: bool = True,
+) -> DynamicCPGroups:
+    """Create the dynamic CP groups of every DPxCP group (collective over the whole world).
+
+    ``all_dp_cp_ranks`` lists every DPxCP group of the world (the same list on all ranks);
+    ``dp_cp_group`` is this rank's DPxCP process group (used for size ``N``). ``new_group``
+    defaults to ``torch.distributed.new_group`` (the MPU layer passes megatron's
+    ``create_group`` so that megatron's destroy sees the groups).
+    """
+    make = new_group or dist.new_group
+    rank = dist.get_rank()
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if pg_options is not None:
+        kwargs["pg_options"] = pg_options
+    mine: list[int] | None = None
+    by_size: dict[int, Any] = {}
+    created: list[Any] = []
+    for ranks in all_dp_cp_ranks:
+        ranks = [int(r) for r in ranks]
+        blocks = dynamic_cp_blocks(ranks, min_size)
+        n = len(ranks)
+        if rank in ranks:
+            mine = ranks
+            by_size[n] = dp_cp_group
+            if 1 in blocks:
+                by_size[1] = None
+        for size in sorted(blocks):
+            if size in (1, n):
+                continue
+            for block in blocks[size]:
+                group = make(ranks=block, group_desc=f"DYNAMIC_CP_GROUP_{size}", **kwargs)
+                if rank in block:
+                    by_size[size] = group
+                    created.append(group)
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the DPxCP groups {list(all_dp_cp_ranks)}")
+    if dp_cp_group is not None and sorted(dist.get_process_group_ranks(dp_cp_group)) != sorted(
+            mine):
+        raise ValueError(
+            f"dp_cp_group has ranks {dist.get_process_group_ranks(dp_cp_group)} but this rank's "
+            f"DPxCP group in all_dp_cp_ranks is {mine}"
+        )
+    if warm_up:
+        for size in sorted(by_size):
+            group = by_size[size]
+            if group is None:
+                continue
+            probe = torch.ones(1)
+            dist.all_reduce(probe, group=group)
+            if int(probe.item()) != size:
+                raise RuntimeError(
+                    f"warm-up all_reduce over the dynamic CP group of size {size} returned "
+                    f"{int(probe.item())}"
+                )
+    return DynamicCPGroups(mine, by_size, min_size, created)

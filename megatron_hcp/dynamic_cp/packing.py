@@ -1,0 +1,87 @@
+"""Pack variable-length samples into one THD micro-batch and cut it for a CP rank (pure).
+
+A sample is an int64 tensor ``[3, L]``: input tokens, labels, loss mask (0/1). With a CP group
+of ``c`` ranks every sequence is padded to a multiple of ``2c`` (padding has loss mask 0 and
+lies outside ``cu_seqlens``, inside ``cu_seqlens_padded``) and the rank keeps the load-balanced
+chunks ``r`` and ``2c-1-r`` of each sequence, as Transformer Engine's THD layout expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention.reference.sharding import thd_partition_indices
+
+__all__ = ["PackedMicroBatch", "pack_thd", "padded_length"]
+
+
+@dataclass
+class PackedMicroBatch:
+    """One rank's share of a packed micro-batch (tensors ``[1, T_local]``)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: Any
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """Length of one sequence after padding for a CP group of ``cp_size`` ranks (a multiple of
+    ``2 * cp_size``; also for 1, the attention's two-halves layout)."""
+    unit = 2 * max(1, cp_size)
+    return -(-length // unit) * unit
+
+
+def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: Any = None,
+             *, dynamic: bool = False) -> PackedMicroBatch:
+    """Pack ``samples`` (each ``[3, L]``) for CP rank ``cp_rank`` of ``cp_size``.
+
+    ``dynamic`` sets ``local_cp_size``/``cp_group`` in the ``PackedSeqParams`` (the per
+    micro-batch group of dynamic CP); otherwise the model's static CP group applies.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not samples:
+        raise ValueError("pack_thd needs at least one sample")
+    if cp_size > 1 and not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} outside a CP group of {cp_size}")
+    lengths = [int(s.shape[1]) for s in samples]
+    padded = [padded_length(n, cp_size) for n in lengths]
+    total = sum(padded)
+    data = torch.zeros(3, total, dtype=torch.int64)
+    positions = torch.zeros(total, dtype=torch.int64)
+    start = 0
+    for sample, n, p in zip(samples, lengths, padded):
+        data[:, start:start + n] = sample
+        positions[start:start + p] = torch.arange(p)
+        start += p
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    cu_pad = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu_pad[1:] = torch.tensor(padded, dtype=torch.int32).cumsum(0)
+    if cp_size > 1:
+        idx = thd_partition_indices(cu_pad, cp_size, cp_rank)
+        data, positions = data[:, idx], positions[idx]
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
+    if dynamic:
+        params.local_cp_size = cp_size
+        params.cp_group = cp_group if cp_size > 1 else None
+    return PackedMicroBatch(
+        tokens=data[0].unsqueeze(0),
+        labels=data[1].unsqueeze(0),
+        loss_mask=data[2].unsqueeze(0).float(),
+        position_ids=positions.unsqueeze(0),
+        packed_seq_params=params,
+    )

@@ -1,0 +1,182 @@
+"""Dynamic CP data path: one global batch -> this rank's packed THD micro-batches.
+
+Per training step, on every rank of a DPxCP group (and its TP peers):
+
+1. each DP replica reports the lengths of the samples it loaded; an all-gather over the DP group
+   gives every rank the global batch's lengths (TP rank 0 gathers, then broadcasts over TP);
+2. every rank runs the scheduler on them, and the plan's digest is checked to be identical on
+   all DPxCP ranks (one all-reduce) before any data moves;
+3. samples travel point-to-point to the ranks of the group that runs them: the sender of sample
+   ``s`` to position ``q`` is the rank of ``s``'s DP replica with ``q``'s CP rank, so the
+   traffic is spread over the replica and ranks of the owning replica need nothing;
+4. every scheduled micro-batch becomes one packed THD micro-batch for this rank, cut for its
+   position in its CP group, with ``PackedSeqParams.local_cp_size``/``cp_group`` set; a rank the
+   plan leaves idle runs a two-token dummy with loss mask 0 (so every rank runs the same number
+   of micro-batches through megatron's schedule and the gradient stays exact);
+5. TP ranks other than 0 receive their micro-batches by broadcast from TP rank 0.
+
+Every step is the same on all ranks, so a rank that fails raises before any collective that the
+others would wait for, apart from the collectives listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .groups import DynamicCPGroups
+from .packing import PackedMicroBatch, pack_thd
+from .scheduler import Plan, schedule
+from .workload import GPTWorkload
+
+__all__ = ["DynamicCPDataPath", "PlanMismatchError"]
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of one DPxCP group computed different plans (they would deadlock)."""
+
+
+def _plan_digest(plan: Plan, ids: Sequence[int]) -> int:
+    body = json.dumps([plan.to_json()["micro_batches"], list(ids)], sort_keys=True)
+    return int.from_bytes(hashlib.sha256(body.encode()).digest()[:7], "little")
+
+
+class DynamicCPDataPath:
+    """Turns a global batch into this rank's dynamic-CP micro-batches (module docstring).
+
+    ``groups`` are this rank's dynamic CP groups; ``dp_group``/``cp_group``/``tp_group`` the
+    static megatron groups (they say which samples this rank loaded and who its TP peers are).
+    ``micro_batch_multiple`` makes the micro-batch count a multiple of it (the pipeline size
+    with interleaved VPP).
+    """
+
+    def __init__(
+        self,
+        groups: DynamicCPGroups,
+        *,
+        dp_group: Any,
+        cp_group: Any,
+        tp_group: Any,
+        max_seqlen_per_dp_cp_rank: int,
+        min_cp_size: int | None = None,
+        workload: GPTWorkload | None = None,
+        micro_batch_multiple: int = 1,
+    ):
+        self.groups = groups
+        self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
+        self.cap = int(max_seqlen_per_dp_cp_rank)
+        self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
+        self.workload = workload or GPTWorkload()
+        self.multiple = int(micro_batch_multiple)
+        self.position = groups.position
+        self.tp_src = dist.get_process_group_ranks(tp_group)[0]
+        self.is_tp_src = dist.get_rank() == self.tp_src
+        # (dp rank, cp rank) of every DPxCP position, from one all-gather over DPxCP
+        dp_cp = groups.by_size[groups.size]
+        mine = torch.tensor([dist.get_rank(dp_group), dist.get_rank(cp_group)])
+        table = [torch.zeros(2, dtype=torch.int64) for _ in range(groups.size)]
+        dist.all_gather(table, mine, group=dp_cp)
+        self.dp_of = [int(t[0]) for t in table]
+        self.cp_of = [int(t[1]) for t in table]
+
+    # ------------------------------------------------------------------ steps 1-2
+    def _global_lengths(self, ids: Sequence[int], lengths: Sequence[int]
+                        ) -> tuple[list[int], list[int]]:
+        n_local = len(ids)
+        if self.is_tp_src:
+            mine = torch.tensor([list(ids), list(lengths)], dtype=torch.int64)
+            parts = [torch.zeros(2, n_local, dtype=torch.int64)
+                     for _ in range(dist.get_world_size(self.dp_group))]
+            dist.all_gather(parts, mine, group=self.dp_group)
+            both = torch.cat(parts, dim=1)
+        else:
+            both = torch.zeros(2, n_local * dist.get_world_size(self.dp_group), dtype=torch.int64)
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.broadcast(both, src=self.tp_src, group=self.tp_group)
+        return [int(x) for x in both[0]], [int(x) for x in both[1]]
+
+    def _check_same_plan(self, plan: Plan, ids: Sequence[int]) -> None:
+        digest = _plan_digest(plan, ids)
+        probe = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.groups.by_size[self.groups.size])
+        if int(probe[0]) != digest or int(-probe[1]) != digest:
+            raise PlanMismatchError(
+                "the dynamic-CP plan differs between ranks of the DPxCP group "
+                f"{self.groups.dp_cp_ranks}: the scheduler inputs (lengths, cap, min size, "
+                "workload) must be the same on every rank"
+            )
+
+    # ------------------------------------------------------------------ step 3
+    def _route(self, plan: Plan, local: dict[int, torch.Tensor], lengths: list[int],
+               n_local: int) -> dict[int, torch.Tensor]:
+        me = self.position
+        positions = range(self.groups.size)
+        ranks = self.groups.dp_cp_ranks
+        have = dict(local)
+        ops, inbox = [], {}
+        for mb in plan.micro_batches:
+            for g in mb.groups:
+                for s in g.samples:
+                    owner = s // n_local  # gathered order: replica by replica
+                    for q in g.ranks:
+                        if self.dp_of[q] == owner:
+                            continue  # q's replica loaded it
+                        sender = next(p for p in positions
+                                      if self.dp_of[p] == owner and self.cp_of[p] == self.cp_of[q])
+                        if sender == me:
+                            ops.append(dist.isend(have[s].contiguous(), ranks[q], tag=s))
+                        elif q == me:
+                            inbox[s] = torch.empty(3, lengths[s], dtype=torch.int64)
+                            ops.append(dist.irecv(inbox[s], ranks[sender], tag=s))
+        for work in ops:  # matched by (peer, tag); posted in the same order everywhere
+            work.wait()
+        have.update(inbox)
+        return have
+
+    # ------------------------------------------------------------------ steps 4-5
+    def step(self, ids: Sequence[int], load: Callable[[int], torch.Tensor]
+             ) -> tuple[Plan, list[PackedMicroBatch]]:
+        """This rank's micro-batches for a global batch.
+
+        ``ids`` are the sample ids this rank's DP replica loaded (the same count on every
+        replica); ``load(i)`` returns sample ``i`` as an int64 ``[3, L]`` tensor (called on TP
+        rank 0 only, for ``ids`` only).
+        """
+        ids = [int(i) for i in ids]
+        local = {}
+        if self.is_tp_src:
+            local = {i: load(i) for i in ids}
+        all_ids, lengths = self._global_lengths(ids, [int(local[i].shape[1]) for i in ids]
+                                                if self.is_tp_src else [0] * len(ids))
+        plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
+                        min_cp_size=self.min_cp_size, vpp=self.multiple)
+        self._check_same_plan(plan, all_ids)
+        n_local = len(ids)
+        index_of = {sid: k for k, sid in enumerate(all_ids)}
+        have: dict[int, torch.Tensor] = {}
+        if self.is_tp_src:
+            mine = {index_of[i]: local[i] for i in ids}
+            have = self._route(plan, mine, lengths, n_local)
+        out = []
+        for mb in plan.micro_batches:
+            group = next((g for g in mb.groups if self.position in g.ranks), None)
+            if group is None:  # idle in this micro-batch
+                out.append(pack_thd([torch.zeros(3, 2, dtype=torch.int64)], 1, 0, dynamic=True))
+                continue
+            size = len(group.ranks)
+            samples = [have[s] if self.is_tp_src else torch.zeros(3, lengths[s], dtype=torch.int64)
+                       for s in group.samples]
+            out.append(pack_thd(samples, size, self.position - group.ranks[0],
+                                self.groups.group(size), dynamic=True))
+        if dist.get_world_size(self.tp_group) > 1:
+            for mb in out:
+                payload = torch.stack([mb.tokens[0], mb.labels[0], mb.loss_mask[0].long()])
+                dist.broadcast(payload, src=self.tp_src, group=self.tp_group)
+                mb.tokens, mb.labels = payload[0:1].clone(), payload[1:2].clone()
+                mb.loss_mask = payload[2:3].float()
+        return plan, out

@@ -1,0 +1,201 @@
+"""Dynamic CP at runtime on 8 gloo ranks: groups, data path and megatron training equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import local_world
+
+WORLD = 8
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world():
+    with local_world(WORLD) as w:
+        yield w
+
+
+# ---------------------------------------------------------------- groups
+def dynamic_groups_case(tp: int, cp: int, min_size: int, decentralized: bool):
+    """Members/sizes of this rank's dynamic groups vs the layout; what destroy leaves."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.layout import ParallelLayout, dynamic_cp_blocks
+    from megatron_hcp.parallel_state.mpu import (
+        destroy_model_parallel,
+        dynamic_cp_groups,
+        initialize_model_parallel,
+    )
+
+    before = len(c10d._world.pg_map)
+    config = CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
+                      data_parallel_size=WORLD // (tp * cp), dynamic_context_parallel=True,
+                      min_dynamic_context_parallel_size=min_size, max_seqlen_per_dp_cp_rank=64)
+    if decentralized:
+        pgc = create_pg_collection(config)
+        groups = pgc.dynamic_cp
+    else:
+        initialize_model_parallel(config, create_gloo_process_groups=False)
+        groups = dynamic_cp_groups()
+    rank = dist.get_rank()
+    layout = ParallelLayout(world_size=WORLD, tp=tp, cp=cp, pp=1)
+    mine = layout.group_of("dp_cp", rank)
+    want = {size: next(b for b in blocks if rank in b)
+            for size, blocks in dynamic_cp_blocks(mine, min_size).items()}
+    got = {size: (None if g is None else dist.get_process_group_ranks(g))
+           for size, g in groups.by_size.items()}
+    table = None if decentralized else {k: (None if g is None else dist.get_process_group_ranks(g))
+                                        for k, g in ps._HYBRID_DP_CP_GROUPS.items()}
+    try:
+        groups.group(min_size // 2) if min_size > 1 else None
+        below = "accepted"
+    except ValueError as err:
+        below = str(err)
+    if decentralized:
+        destroy_pg_collection(pgc)
+    else:
+        destroy_model_parallel()
+    after = len(c10d._world.pg_map)
+    left = dict(ps._HYBRID_DP_CP_GROUPS)
+    return {"want": want, "got": got, "table": table, "below": below,
+            "leaked": after - before, "left": left, "dp_cp": groups.dp_cp_ranks}
+
+
+@pytest.mark.parametrize("tp, cp, min_size", [(1, 1, 1), (1, 2, 1), (1, 4, 2), (2, 4, 1),
+                                              (2, 2, 2)])
+@pytest.mark.parametrize("decentralized", [False, True])
+def test_dynamic_groups_match_layout_and_leave_nothing(world, tp, cp, min_size, decentralized):
+    for rank, r in enumerate(world.run(dynamic_groups_case, tp, cp, min_size, decentralized)):
+        want = {size: (None if size == 1 else block) for size, block in r["want"].items()}
+        assert r["got"] == want, (rank, r)
+        assert min(r["got"]) == min_size
+        if not decentralized:  # megatron's own table: every size but DPxCP
+            n = len(r["dp_cp"])
+            assert r["table"] == {k: v for k, v in want.items() if k != n}
+        if min_size > 1:
+            assert "min_dynamic_context_parallel_size=" in r["below"]
+        assert r["leaked"] == 0 and r["left"] == {}, (rank, r)
+
+
+# ---------------------------------------------------------------- training
+VARLEN = dict(min_len=8, max_len=160, mean=40, sigma=1.0, samples_per_micro_batch=2)
+
+
+def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
+          decentralized: bool = False, lengths: list[int] | None = None, cap: int = 96,
+          batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True):
+    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import (
+        DECENTRALIZED_PATCHES,
+        apply,
+        apply_cpu_runtime,
+        apply_dynamic_cp,
+        by_name,
+        revert,
+    )
+    from megatron_hcp.training.trainer import TinyGPTSpec, VarLen, train_tiny_gpt
+
+    apply_cpu_runtime()
+    if patches:
+        apply_dynamic_cp()
+    config = CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
+                      pipeline_model_parallel_size=pp, data_parallel_size=WORLD // (tp * cp * pp),
+                      dynamic_context_parallel=dynamic, min_dynamic_context_parallel_size=min_size,
+                      max_seqlen_per_dp_cp_rank=cap if dynamic else None)
+    spec = TinyGPTSpec(
+        num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
+        pipeline_model_parallel_size=pp, global_batch_size=batch,
+        varlen=VarLen(**VARLEN, lengths=lengths), dynamic_context_parallel=dynamic,
+        max_seqlen_per_dp_cp_rank=cap if dynamic else None,
+        min_dynamic_context_parallel_size=min_size,
+        virtual_pipeline_model_parallel_size=vpp)
+    if decentralized:
+        ce = by_name(list(DECENTRALIZED_PATCHES))
+        apply(ce)
+        pgc = create_pg_collection(config)
+        try:
+            return train_tiny_gpt(spec, pg_collection=pgc)
+        finally:
+            destroy_pg_collection(pgc)
+            revert(ce)
+    kwargs = {"virtual_pipeline_model_parallel_size": vpp} if vpp else {}
+    initialize_model_parallel(config, create_gloo_process_groups=False, **kwargs)
+    try:
+        return train_tiny_gpt(spec)
+    finally:
+        destroy_model_parallel()
+
+
+def assert_same(runs, reference):
+    for rank, run in enumerate(runs):
+        for key in ("loss", "grad_norm"):
+            got, want = torch.tensor(run[key]), torch.tensor(reference[key])
+            rel = ((got - want).abs() / want.abs()).max().item()
+            assert rel <= RTOL, (rank, key, run[key], reference[key])
+
+
+@pytest.fixture(scope="module")
+def no_cp(world):
+    runs = world.run(train, 1, 1, 1, False)
+    assert all(r["loss"] == runs[0]["loss"] for r in runs)
+    assert runs[0]["loss"][0] != runs[0]["loss"][1]  # it trains
+    return runs[0]
+
+
+CASES = [
+    # (tp, cp, pp, vpp, decentralized)
+    (1, 4, 1, None, False),   # DP2 x CP4
+    (2, 4, 1, None, False),   # TP2 x CP4, DPxCP = 4
+    (1, 2, 2, None, False),   # PP2, DP2 x CP2
+    (1, 2, 2, 2, False),      # PP2 x VPP2
+    (1, 4, 1, None, True),    # decentralized collection
+]
+
+
+@pytest.mark.parametrize("tp, cp, pp, vpp, decentralized", CASES)
+def test_dynamic_cp_trains_like_static_cp_and_no_cp(world, no_cp, tp, cp, pp, vpp,
+                                                    decentralized):
+    dynamic = world.run(train, tp, cp, pp, True, vpp, decentralized=decentralized)
+    assert_same(dynamic, no_cp)
+    # the plan really used dynamic groups of more than one size
+    sizes = {s for run in dynamic for step in run["local_cp_sizes"] for s in step}
+    assert len(sizes) > 1, sizes
+    if vpp is None and not decentralized:
+        assert_same(world.run(train, tp, cp, pp, False), no_cp)  # static CP, same data
+
+
+def test_micro_batch_with_local_cp_sizes_1_and_4(world):
+    """One long sequence over 4 ranks while 4 short ones run alone (local CP size 1)."""
+    lengths = [200, 40, 44, 36, 30, 50, 20, 24]  # cap 96: 200 runs on 4 ranks, the rest on 1
+    kwargs = dict(lengths=lengths, cap=96, steps=2)
+    runs = world.run(train, 1, 8, 1, True, **kwargs)
+    first = [run["local_cp_sizes"][0] for run in runs]
+    mixed = [j for j in range(len(first[0])) if {r[j] for r in first} >= {1, 4}]
+    assert mixed, first
+    want = world.run(train, 1, 1, 1, False, lengths=lengths)[0]
+    assert_same(runs, want)
+
+
+def test_dynamic_cp_without_its_patches_is_refused(world):
+    err = world.run(refused_without_patches)
+    assert all("attention-dynamic-cp-rope" in e for e in err), err
+
+
+def refused_without_patches():
+    from megatron_hcp.patching import DYNAMIC_CP_PATCHES, by_name, revert
+
+    revert(by_name(list(DYNAMIC_CP_PATCHES)))
+    try:
+        train(1, 4, 1, True, steps=1, patches=False)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return str(err)
+    return "accepted"

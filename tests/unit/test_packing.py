@@ -1,0 +1,50 @@
+"""THD packing of variable-length samples for a CP rank (pure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hcp.attention.reference.sharding import assemble_from_chunks
+from megatron_hcp.dynamic_cp.packing import pack_thd, padded_length
+from megatron_hcp.training.data import varlen_lengths, varlen_sample
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_pack_thd_cuts_the_padded_sequences_for_every_rank(cp):
+    lengths = [5, 16, 9]
+    samples = [varlen_sample(3, 0, i, n, 50) for i, n in enumerate(lengths)]
+    parts = [pack_thd(samples, cp, r) for r in range(cp)]
+    params = parts[0].packed_seq_params
+    assert params.cu_seqlens_q.tolist() == [0, 5, 21, 30]
+    padded = [padded_length(n, cp) for n in lengths]
+    assert all(p % (2 * cp) == 0 and p >= n for p, n in zip(padded, lengths))
+    assert params.cu_seqlens_q_padded.tolist() == [0, *torch.tensor(padded).cumsum(0).tolist()]
+    assert params.max_seqlen_q == max(padded) and params.local_cp_size is None
+    full = assemble_from_chunks([p.tokens[0] for p in parts], "thd", params.cu_seqlens_q_padded)
+    mask = assemble_from_chunks([p.loss_mask[0] for p in parts], "thd",
+                                params.cu_seqlens_q_padded)
+    start = 0
+    for sample, n, p in zip(samples, lengths, padded):
+        assert torch.equal(full[start:start + n], sample[0])
+        assert torch.equal(mask[start:start + n], sample[2].float())
+        assert not mask[start + n:start + p].any()  # padding never counts in the loss
+        start += p
+
+
+def test_dynamic_pack_carries_its_group_and_size():
+    sample = varlen_sample(3, 0, 0, 7, 50)
+    one = pack_thd([sample], 1, 0, dynamic=True).packed_seq_params
+    assert one.local_cp_size == 1 and one.cp_group is None
+    marker = object()
+    two = pack_thd([sample], 2, 1, marker, dynamic=True).packed_seq_params
+    assert two.local_cp_size == 2 and two.cp_group is marker
+
+
+def test_varlen_data_is_deterministic_and_bounded():
+    a = varlen_lengths(1, 2, 64, min_len=8, max_len=100, mean=30, sigma=1.2)
+    assert a == varlen_lengths(1, 2, 64, min_len=8, max_len=100, mean=30, sigma=1.2)
+    assert min(a) >= 8 and max(a) <= 100 and len(set(a)) > 10
+    s = varlen_sample(1, 2, 5, 20, 50)
+    assert s.shape == (3, 20) and torch.equal(s, varlen_sample(1, 2, 5, 20, 50))
+    assert torch.equal(s[1, :-1], s[0, 1:])  # labels are the next tokens
