@@ -113,6 +113,29 @@ def _patch_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _patch_fork(args: argparse.Namespace) -> int:
+    """check | apply | revert the fork-style diffs of patches/ on a target tree."""
+    from .patching import PatchError
+    from .patching.forkpatch import apply_diffs, check_diffs, revert_diffs
+
+    try:
+        if args.patch_command == "check":
+            version, statuses = check_diffs(args.target)
+            print(f"megatron-core {version} at {args.target}")
+            for s in statuses:
+                print(f"  {s.file.name:<50} {s.state}"
+                      + (f"  ({s.detail.splitlines()[0]})" if s.detail else ""))
+            return 0 if all(s.state != "conflicts" for s in statuses) else 1
+        done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(args.target)
+        verb = "applied" if args.patch_command == "apply" else "reverted"
+        print(f"{verb} {len(done)} patch(es)" + (f": {', '.join(done)}" if done else
+                                                  " (nothing to do)"))
+        return 0
+    except PatchError as err:
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
+
+
 def _schedule(args: argparse.Namespace) -> int:
     from .dynamic_cp.scheduler import schedule
     from .dynamic_cp.workload import GPTWorkload, ScheduleError
@@ -147,6 +170,44 @@ def _schedule(args: argparse.Namespace) -> int:
     for note in plan.notes:
         print(f"note: {note}")
     return 0
+
+
+def _functional(args: argparse.Namespace) -> int:
+    from .config import CPConfigError
+    from .functional import harness
+    from .functional.recipe import list_recipes
+
+    try:
+        if args.functional_command == "list":
+            for name in list_recipes():
+                print(name)
+            return 0
+        if args.functional_command == "update-golden":
+            for name in args.names:
+                for line in harness.update_golden(name):
+                    print(line)
+            return 0
+        names = args.names or (list_recipes() if args.functional_command == "compare" else [])
+        if not names:
+            print("name a recipe (see `megatron-hcp functional list`)", file=sys.stderr)
+            return 2
+        results = []
+        for name in names:
+            print(f"=== {name}", flush=True)
+            result = harness.check_recipe(name, steps=args.steps,
+                                          cp_invariance=not args.no_cp1)
+            for line in result.lines:
+                print(f"  {line}")
+            results.append(result)
+        print()
+        print(harness.summary_table(results))
+        return 0 if all(r.passed for r in results) else 1
+    except CPConfigError as err:
+        print(f"invalid recipe: {err}", file=sys.stderr)
+        return 2
+    except (harness.RecipeRunError, FileNotFoundError) as err:
+        print(str(err), file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +262,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = patch_sub.add_parser("list", help="every patch, its upstream versions, applied or not")
     p.add_argument("-v", "--verbose", action="store_true", help="show the upstream lines")
     p.set_defaults(func=_patch_list)
+    for cmd, text in (("check", "each fork-style diff of patches/: applied, applicable or "
+                                "conflicts"),
+                      ("apply", "apply every diff not yet applied (atomic)"),
+                      ("revert", "revert every applied diff (atomic)")):
+        p = patch_sub.add_parser(cmd, help=text)
+        p.add_argument("--target", required=True,
+                       help="a Megatron-LM checkout or an installed megatron package directory")
+        p.set_defaults(func=_patch_fork)
+
+    fn = sub.add_parser("functional", help="functional recipes with golden values (CPU/gloo)")
+    fn_sub = fn.add_subparsers(dest="functional_command", required=True)
+    p = fn_sub.add_parser("list", help="the recipes")
+    p.set_defaults(func=_functional)
+    for cmd, text in (("run", "run recipes and compare them (golden values, CP=1)"),
+                      ("compare", "run and compare every recipe (or the named ones)")):
+        p = fn_sub.add_parser(cmd, help=text)
+        p.add_argument("names", nargs="*")
+        p.add_argument("--steps", type=int, default=None, help="train this many steps")
+        p.add_argument("--no-cp1", action="store_true", help="skip the CP=1 invariance run")
+        p.set_defaults(func=_functional)
+    p = fn_sub.add_parser("update-golden", help="regenerate golden values; say what changed")
+    p.add_argument("names", nargs="+")
+    p.set_defaults(func=_functional)
     return parser
 
 

@@ -41,7 +41,8 @@ def by_name(names: list[str] | None = None) -> list[Patch]:
 
 # what megatron-core needs to run dynamic-CP micro-batches (RoPE per micro-batch group;
 # variable packed lengths through pipeline stages)
-DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-shape-exchange-order")
+DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-variable-seq-lengths",
+                                       "mtp-dynamic-cp-group")
 
 # what megatron-core's training path needs without MPU globals (decentralized process groups)
 DECENTRALIZED_PATCHES: tuple[str, ...] = ("cross-entropy-model-tp-group",
@@ -49,13 +50,20 @@ DECENTRALIZED_PATCHES: tuple[str, ...] = ("cross-entropy-model-tp-group",
 
 
 def apply_dynamic_cp() -> None:
-    """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent)."""
+    """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent), and ``mamba-dynamic-cp-group`` where
+    Mamba's kernels are installed."""
     apply(by_name(list(DYNAMIC_CP_PATCHES)))
+    mamba = by_name(["mamba-dynamic-cp-group"])
+    if not mamba[0].missing_requirement():
+        apply(mamba)
 
 
 def require_applied(names: tuple[str, ...], why: str) -> None:
     """Raise :class:`PatchError` naming the patches of ``names`` that are not applied."""
-    missing = [p.name for p in by_name(list(names)) if not is_applied(p)]
+    from .forkpatch import applied_in_source
+
+    missing = [p.name for p in by_name(list(names))
+               if not is_applied(p) and not applied_in_source(p)]
     if missing:
         raise PatchError(
             f"{why} needs the megatron-core patches {missing}; apply them first "

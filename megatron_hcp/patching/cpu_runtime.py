@@ -245,6 +245,13 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
         "cpu-grad-norm-device",
         "gradient norm and zero counting on the CPU",
     ),
+    _torch_view(
+        "megatron.core.transformer.multi_token_prediction",
+        "megatron/core/transformer/multi_token_prediction.py:337 MTPLossLoggingHelper "
+        "tracker on torch.cuda.current_device()",
+        "cpu-mtp-loss-tracker",
+        "the multi-token-prediction loss tracker lives on the CPU",
+    ),
     Patch(
         name="cpu-rope-cp-index",
         summary="RoPE CP slicing without pinned memory or .cuda()",

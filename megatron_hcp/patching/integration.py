@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 from ..attention.module import make_te_forward, make_te_init
 from .registry import Patch, Target
@@ -96,43 +97,115 @@ def _make_attention_forward(original):
     return forward
 
 
-def _make_communicate_shapes(original):
-    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        """Exchange the [s, b, h] shapes of the tensors about to travel, in the even/odd order
-        of megatron's ``_p2p_ops``: with two stages the previous and next rank are the same
-        peer, and posting send_prev before send_next on every rank pairs the activation's
-        shape with the gradient's receive."""
+# tags of the variable-length pipeline exchange: one ordered stream per kind and direction
+_TAG_SHAPE_FWD, _TAG_SHAPE_BWD, _TAG_DATA_FWD, _TAG_DATA_BWD = 11, 12, 13, 14
+
+
+def _make_communicate(original):
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        """Variable sequence lengths: send shapes and tensors first, then receive.
+
+        Upstream exchanges every shape (blocking) before any tensor moves, all on one channel.
+        When the two stages of a PP=2 pipeline group their calls differently (the interleaved
+        schedule when every micro-batch is in warm-up on stage 0), stage 1 waits for a shape
+        that stage 0 sends only after receiving stage 1's tensor: a deadlock, or a shape matched
+        with a tensor. Here sends never wait for receives, and each kind and direction has its
+        own tag. Fixed-length exchanges are unchanged.
+        """
+        if not (self.config.variable_seq_lengths or self.config.mtp_standalone):
+            return original(self, tensor_send_next=tensor_send_next,
+                            tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
+                            recv_next=recv_next, tensor_shape=tensor_shape,
+                            wait_on_reqs=wait_on_reqs)
         import torch
         import torch.distributed as dist
 
+        group, config = self.pp_group, self.config
         sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
         device = sent.device if sent is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
-        recv_prev_t = torch.empty(3, dtype=torch.int64, device=device) if recv_prev else None
-        recv_next_t = torch.empty(3, dtype=torch.int64, device=device) if recv_next else None
-
-        def shape(t):
-            return torch.tensor(t.size(), dtype=torch.int64, device=device)
-
-        send_next = (lambda: dist.isend(shape(tensor_send_next), self.next_rank,
-                                        group=self.pp_group)) if tensor_send_next is not None \
-            else None
-        send_prev = (lambda: dist.isend(shape(tensor_send_prev), self.prev_rank,
-                                        group=self.pp_group)) if tensor_send_prev is not None \
-            else None
-        get_prev = (lambda: dist.irecv(recv_prev_t, self.prev_rank, group=self.pp_group)
-                    ) if recv_prev else None
-        get_next = (lambda: dist.irecv(recv_next_t, self.next_rank, group=self.pp_group)
-                    ) if recv_next else None
-        order = ((send_next, get_prev, send_prev, get_next) if self.pp_group.rank() % 2 == 0
-                 else (get_prev, send_next, get_next, send_prev))
-        for work in [post() for post in order if post is not None]:
+        works = []
+        for tensor, peer, shape_tag, data_tag in (
+                (tensor_send_next, self.next_rank, _TAG_SHAPE_FWD, _TAG_DATA_FWD),
+                (tensor_send_prev, self.prev_rank, _TAG_SHAPE_BWD, _TAG_DATA_BWD)):
+            if tensor is not None:
+                size = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
+                works.append(dist.isend(size, peer, group=group, tag=shape_tag))
+                works.append(dist.isend(tensor, peer, group=group, tag=data_tag))
+        received = []
+        for wanted, peer, shape_tag, data_tag in (
+                (recv_prev, self.prev_rank, _TAG_SHAPE_FWD, _TAG_DATA_FWD),
+                (recv_next, self.next_rank, _TAG_SHAPE_BWD, _TAG_DATA_BWD)):
+            if not wanted:
+                received.append(None)
+                continue
+            size = torch.empty(3, dtype=torch.int64, device=device)
+            dist.irecv(size, peer, group=group, tag=shape_tag).wait()
+            buf = torch.empty(size.tolist(), requires_grad=True, device=device,
+                              dtype=config.pipeline_dtype)
+            works.append(dist.irecv(buf, peer, group=group, tag=data_tag))
+            received.append(buf)
+        for work in works:
             work.wait()
-        return ([0, 0, 0] if recv_prev_t is None else recv_prev_t.tolist(),
-                [0, 0, 0] if recv_next_t is None else recv_next_t.tolist())
+        return received[0], received[1], ([] if not wait_on_reqs else None)
 
-    return _communicate_shapes
+    return _communicate
+
+
+def _dynamic_group(params: Any) -> tuple[bool, Any]:
+    """(dynamic?, group) of a micro-batch's ``packed_seq_params`` (group None: no CP)."""
+    group = getattr(params, "cp_group", None)
+    local = getattr(params, "local_cp_size", None)
+    if group is None and local != 1:
+        return False, None
+    return True, group
+
+
+def _make_mtp_forward(original):
+    def forward(self, *args, **kwargs):
+        """Roll tokens, labels and positions over the micro-batch's dynamic CP group."""
+        dynamic, group = _dynamic_group(kwargs.get("packed_seq_params"))
+        if not dynamic:
+            return original(self, *args, **kwargs)
+        static = self.cp_group
+        self.cp_group = group  # None: megatron's roll_tensor rolls locally (no CP)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.cp_group = static
+
+    return forward
+
+
+def _make_mamba_forward(original):
+    def forward(self, hidden_states, *args, **kwargs):
+        """Run the mixer's CP all-to-alls over the micro-batch's dynamic CP group."""
+        dynamic, group = _dynamic_group(kwargs.get("packed_seq_params"))
+        if not dynamic:
+            return original(self, hidden_states, *args, **kwargs)
+        from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
+
+        cache = self.__dict__.setdefault("_hcp_dynamic_cp", {})
+        key = id(group)
+        if key not in cache:  # per-group state: head split and rank of this rank
+            static = self.cp
+            cache[key] = MambaContextParallel(
+                cp_group=group if group is not None else NoCPGroup(),
+                d_inner_local_tp=static.d_inner_local_tp,
+                nheads_local_tp=static.nheads_local_tp,
+                ngroups_local_tp=static.ngroups_local_tp, d_state=static.d_state,
+                conv1d_cp1=static.conv1d_cp1, dt_bias_cp1=static.dt_bias_cp1,
+                A_log_cp1=static.A_log_cp1, D_cp1=static.D_cp1, D_has_hdim=static.D_has_hdim)
+        static = self.cp
+        self.cp = cache[key]
+        try:
+            return original(self, hidden_states, *args, **kwargs)
+        finally:
+            self.cp = static
+
+    return forward
 
 
 def _make_count_zeros(original):
@@ -211,19 +284,48 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         requires_te=True,
     ),
     Patch(
-        name="p2p-shape-exchange-order",
-        summary="pipeline shape exchange (variable_seq_lengths) posts its sends/receives in "
-        "the even/odd order of the data exchange, so PP=2 with VPP pairs each shape with the "
-        "right tensor",
-        upstream="megatron/core/pipeline_parallel/p2p_communication.py:165-252 "
-        "_communicate_shapes posts send_prev, recv_prev, send_next, recv_next on every rank; "
-        "with 2 stages prev == next and an activation shape is received as a gradient shape "
-        "(measured on gloo: dynamic CP with VPP fails with mismatched packed lengths)",
+        name="p2p-variable-seq-lengths",
+        summary="pipeline exchange with variable sequence lengths sends shapes and tensors "
+        "before it receives, one tag per kind and direction (PP=2 x VPP neither deadlocks nor "
+        "mismatches shapes)",
+        upstream="megatron/core/pipeline_parallel/p2p_communication.py:165-252,301-304 "
+        "_communicate_shapes exchanges every shape (blocking, tag 0, fixed order) before any "
+        "tensor is sent; with 2 stages prev == next: measured on gloo, dynamic CP with VPP "
+        "mismatches packed lengths, and deadlocks when every micro-batch is in warm-up",
         versions=VERSIONS,
         targets=(
             Target("megatron.core.pipeline_parallel.p2p_communication",
-                   "P2PCommunicator._communicate_shapes", _make_communicate_shapes),
+                   "P2PCommunicator._communicate", _make_communicate),
         ),
+    ),
+    Patch(
+        name="mtp-dynamic-cp-group",
+        summary="multi-token prediction rolls its inputs and labels over the micro-batch's "
+        "dynamic CP group (local CP size 1: locally) and restores its static group after",
+        upstream="megatron/core/transformer/multi_token_prediction.py:622,709,716 "
+        "MultiTokenPredictionLayer and megatron/core/models/gpt/gpt_model.py:626-638 "
+        "(_postprocess, MTP labels) roll with the static cp_group and never look at "
+        "packed_seq_params.cp_group",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.transformer.multi_token_prediction",
+                   "MultiTokenPredictionLayer.forward", _make_mtp_forward),
+            Target("megatron.core.models.gpt.gpt_model", "GPTModel._postprocess",
+                   _make_mtp_forward),
+        ),
+    ),
+    Patch(
+        name="mamba-dynamic-cp-group",
+        summary="Mamba mixers run their CP all-to-alls over the micro-batch's dynamic CP group "
+        "(one MambaContextParallel per group, cached) and restore the static one after",
+        upstream="megatron/core/ssm/mamba_mixer.py:386-397 MambaMixer builds one "
+        "MambaContextParallel over pg_collection.cp; mamba_context_parallel.py:88-96 caches "
+        "its size and rank",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.ssm.mamba_mixer", "MambaMixer.forward", _make_mamba_forward),
+        ),
+        requires_modules=("triton", "mamba_ssm"),
     ),
     Patch(
         name="chained-optimizer-count-zeros-tp-group",

@@ -70,6 +70,7 @@ class Patch:
     targets: tuple[Target, ...] = field(repr=False)
     category: str = "integration"
     requires_te: bool = False
+    requires_modules: tuple[str, ...] = ()  # importable modules the targets need (e.g. CUDA)
 
     def supports(self, version: str | None = None) -> bool:
         return (version or megatron_core_version()) in self.versions
@@ -81,6 +82,12 @@ class Patch:
 
             if not getattr(te_ext, "HAVE_TE", False):
                 return "needs Transformer Engine, which is not installed here"
+        import importlib.util
+
+        missing = [m for m in self.requires_modules if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} " \
+                   "not installed here"
         return None
 
 

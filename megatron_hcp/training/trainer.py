@@ -8,6 +8,7 @@ runs with different parallel layouts can be compared step by step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -61,6 +62,9 @@ class TinyGPTSpec:
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     min_dynamic_context_parallel_size: int = 1
+    checkpoint_dir: str | None = None  # per-rank files <dir>/iter_<step>/rank_<r>.pt
+    save_at_steps: tuple[int, ...] = ()  # save after these many steps
+    resume_from_step: int | None = None  # load <dir>/iter_<step> and continue from there
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -177,6 +181,14 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
     vpp = spec.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp in range(vpp):
+        mtp = None
+        if config.mtp_num_layers:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(
+                config, gpt_layer_spec(spec.attention_backend), use_transformer_engine=False,
+                vp_stage=vp if spec.virtual_pipeline_model_parallel_size else None,
+                pp_rank=pp_rank)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=gpt_layer_spec(spec.attention_backend),
@@ -187,6 +199,7 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
             position_embedding_type="rope",
             share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
             pg_collection=pg_collection,
+            mtp_block_spec=mtp,
             **({"vp_stage": vp} if spec.virtual_pipeline_model_parallel_size else {}),
         )
         deterministic_init(chunk, spec.seed, pgs.tp.rank(), pgs.tp.size())
@@ -271,7 +284,37 @@ class _StepData:
                 for j in range(0, len(samples), k)]
 
 
-def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, list[float]]:
+def _checkpoint_file(spec: TinyGPTSpec, step: int) -> str:
+    import os
+
+    if not spec.checkpoint_dir:
+        raise ValueError("checkpointing needs spec.checkpoint_dir")
+    return os.path.join(spec.checkpoint_dir, f"iter_{step:07d}", f"rank_{dist.get_rank()}.pt")
+
+
+def _save_checkpoint(spec: TinyGPTSpec, step: int, model: list[Any], optimizer: Any) -> None:
+    import os
+
+    path = _checkpoint_file(spec, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"step": step, "model": [m.state_dict() for m in model],
+                "optimizer": optimizer.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a crash never leaves a half-written checkpoint
+    dist.barrier()
+
+
+def _load_checkpoint(spec: TinyGPTSpec, model: list[Any], optimizer: Any) -> None:
+    state = torch.load(_checkpoint_file(spec, spec.resume_from_step), weights_only=True)
+    if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
+        raise ValueError(f"checkpoint {spec.checkpoint_dir} step {state['step']} with "
+                         f"{len(state['model'])} model chunks does not fit this run")
+    for m, sd in zip(model, state["model"]):
+        m.load_state_dict(sd)
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
+                   on_step: Any = None) -> dict[str, list[float]]:
     """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...],
     "num_zeros": [...], "micro_batches": [...], "local_cp_sizes": [...]}``; all but the last
     (this rank's CP group size per micro-batch) are identical on every rank."""
@@ -313,8 +356,13 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
     multiple = pp_size if spec.virtual_pipeline_model_parallel_size else 1
     data = _StepData(spec, pgs, pg_collection, multiple)
     history: dict[str, list] = {"loss": [], "grad_norm": [], "num_zeros": [],
-                                "micro_batches": [], "local_cp_sizes": []}
-    for step in range(spec.steps):
+                                "micro_batches": [], "local_cp_sizes": [], "iteration_time": []}
+    first = 0
+    if spec.resume_from_step is not None:
+        _load_checkpoint(spec, model, optimizer)
+        first = spec.resume_from_step
+    for step in range(first, spec.steps):
+        started = time.perf_counter()
         micro = data.micro_batches(step)
         for m in model:
             m.zero_grad_buffer()
@@ -338,6 +386,11 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None) -> dict[str, li
         history["micro_batches"].append(len(micro))
         history["local_cp_sizes"].append([
             getattr(mb.packed_seq_params, "local_cp_size", None) for mb in micro])
+        history["iteration_time"].append(time.perf_counter() - started)
+        if step + 1 in spec.save_at_steps:
+            _save_checkpoint(spec, step + 1, model, optimizer)
+        if on_step is not None:
+            on_step(step, history)
     return history
 
 

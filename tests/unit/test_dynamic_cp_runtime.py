@@ -89,7 +89,8 @@ VARLEN = dict(min_len=8, max_len=160, mean=40, sigma=1.0, samples_per_micro_batc
 
 def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
           decentralized: bool = False, lengths: list[int] | None = None, cap: int = 96,
-          batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True):
+          batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True,
+          extra_config: dict | None = None):
     from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
@@ -117,7 +118,7 @@ def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
         varlen=VarLen(**VARLEN, lengths=lengths), dynamic_context_parallel=dynamic,
         max_seqlen_per_dp_cp_rank=cap if dynamic else None,
         min_dynamic_context_parallel_size=min_size,
-        virtual_pipeline_model_parallel_size=vpp)
+        virtual_pipeline_model_parallel_size=vpp, extra_config=extra_config or {})
     if decentralized:
         ce = by_name(list(DECENTRALIZED_PATCHES))
         apply(ce)
@@ -173,6 +174,15 @@ def test_dynamic_cp_trains_like_static_cp_and_no_cp(world, no_cp, tp, cp, pp, vp
         assert_same(world.run(train, tp, cp, pp, False), no_cp)  # static CP, same data
 
 
+def test_vpp_when_every_micro_batch_is_in_warm_up(world):
+    """PP2 x VPP2 with as many micro-batches as stages: stage 0 never reaches 1F1B (upstream's
+    blocking shape exchange deadlocks here)."""
+    lengths = [256, 27, 34, 16, 68, 28, 52, 32]
+    runs = world.run(train, 1, 2, 2, True, 2, lengths=lengths, cap=128, steps=1)
+    assert runs[0]["micro_batches"] == [2]
+    assert_same(runs, world.run(train, 1, 1, 1, False, lengths=lengths, steps=1)[0])
+
+
 def test_micro_batch_with_local_cp_sizes_1_and_4(world):
     """One long sequence over 4 ranks while 4 short ones run alone (local CP size 1)."""
     lengths = [200, 40, 44, 36, 30, 50, 20, 24]  # cap 96: 200 runs on 4 ranks, the rest on 1
@@ -182,6 +192,23 @@ def test_micro_batch_with_local_cp_sizes_1_and_4(world):
     mixed = [j for j in range(len(first[0])) if {r[j] for r in first} >= {1, 4}]
     assert mixed, first
     want = world.run(train, 1, 1, 1, False, lengths=lengths)[0]
+    assert_same(runs, want)
+
+
+def test_multi_token_prediction_follows_the_dynamic_group(world):
+    """An MTP layer rolls tokens and labels across CP ranks: over the micro-batch's group.
+
+    Lengths are multiples of 16 so that no sequence is padded: upstream's packed roll
+    (``_roll_tensor_packed_seq``) cuts by ``cu_seqlens_q`` and ignores the padding, so padded
+    sequences differ from no-CP already with static CP (measured; not patched here).
+    """
+    mtp = {"mtp_num_layers": 1}
+    lengths = [32, 48, 16, 176, 32, 48, 16, 64]
+    want = world.run(train, 1, 1, 1, False, extra_config=mtp, lengths=lengths)[0]
+    plain = world.run(train, 1, 1, 1, False, lengths=lengths)[0]
+    assert want["loss"] != plain["loss"]  # MTP changes the loss
+    runs = world.run(train, 1, 4, 1, True, extra_config=mtp, lengths=lengths)
+    assert len({s for run in runs for step in run["local_cp_sizes"] for s in step}) > 1
     assert_same(runs, want)
 
 

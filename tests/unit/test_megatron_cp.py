@@ -48,7 +48,8 @@ def train(tp, cp, pp, comm, hcp, steps=3, tied=False):
 @pytest.fixture(scope="module")
 def baseline(world):
     runs = world.run(train, 1, 1, 1, "p2p", None)
-    assert all(r == runs[0] for r in runs)
+    assert all((r["loss"], r["grad_norm"]) == (runs[0]["loss"], runs[0]["grad_norm"])
+               for r in runs)
     return runs[0]
 
 

@@ -41,7 +41,8 @@ def snapshot(patches):
 
 
 def test_every_patch_applies_and_reverts_to_the_identical_original(clean):
-    assert len(HERE) >= len(ALL_PATCHES) - 1
+    assert {p.name for p in ALL_PATCHES} - {p.name for p in HERE} == {
+        "te-attention-hcp", "mamba-dynamic-cp-group"}  # need TE / triton + mamba_ssm
     before = snapshot(HERE)
     assert apply(HERE) == [p.name for p in HERE]
     assert all(is_applied(p) for p in HERE)

@@ -1,0 +1,176 @@
+"""Fork-style patches: ``patches/megatron-core-<version>/NNNN-<name>.patch`` as unified diffs.
+
+One diff per named runtime patch (same names as ``megatron-hcp patch list``), applied to a
+Megatron-LM checkout or an installed ``megatron`` package directory with ``git apply`` (atomic:
+all files of all patches, or nothing). ``check`` reports each patch as applied, applicable or
+conflicting; ``apply``/``revert`` refuse a megatron-core version the diffs were not written for
+and refuse to start when any patch conflicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .registry import Patch, PatchError
+
+__all__ = ["SERIES", "PATCHES_DIR", "PatchStatus", "applied_in_source", "apply_diffs",
+           "check_diffs", "diff_digest", "megatron_package_dir", "read_header", "revert_diffs",
+           "runtime_digest", "target_root", "target_version"]
+
+PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+
+# the order of the series: CPU runtime first (cpu-schedules-device adds megatron/core/
+# cpu_runtime.py, which the other CPU patches import), then the integration patches
+SERIES: tuple[str, ...] = (
+    "cpu-schedules-device", "cpu-p2p-device", "cpu-global-memory-buffer", "cpu-ddp-buffers",
+    "cpu-rope-device", "cpu-attention-masks", "cpu-optimizer-device", "cpu-grad-norm-device",
+    "cpu-mtp-loss-tracker", "cpu-rope-cp-index", "cpu-rng-tracker", "cpu-tied-embedding-sync",
+    "attention-dynamic-cp-rope", "cross-entropy-model-tp-group", "destroy-forgets-stale-groups",
+    "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
+    "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr",
+)
+
+
+def megatron_package_dir() -> Path:
+    """The installed ``megatron`` package directory."""
+    import megatron.core
+
+    return Path(megatron.core.__file__).resolve().parent.parent
+
+
+def runtime_digest(patch: Patch) -> str:
+    """Digest of the source of a runtime patch's replacements (what the diff must mirror)."""
+    h = hashlib.sha256()
+    h.update(f"{patch.name}|{patch.versions}".encode())
+    for target in patch.targets:
+        h.update(f"{target.module}:{target.qualname}".encode())
+        try:
+            h.update(inspect.getsource(target.make).encode())
+        except (OSError, TypeError):
+            h.update(repr(target.make).encode())
+    return h.hexdigest()[:16]
+
+
+def applied_in_source(patch: Patch) -> bool:
+    """True when every target module's source carries the fork diff's ``megatron-hcp <name>``
+    marker (megatron-core patched with ``patches/`` instead of at run time)."""
+    import importlib
+
+    marker = f"megatron-hcp {patch.name}"
+    for module in {t.module for t in patch.targets}:
+        try:
+            source = inspect.getsource(importlib.import_module(module))
+        except (ImportError, OSError, TypeError):
+            return False
+        if marker not in source:
+            return False
+    return True
+
+
+def diff_digest(diff: str) -> str:
+    return hashlib.sha256(diff.encode()).hexdigest()[:16]
+
+
+def read_header(path: Path) -> dict[str, str]:
+    """``Key: value`` lines of a patch header (up to the ``---`` line) plus ``body``."""
+    text = path.read_text(encoding="utf-8")
+    head, sep, body = text.partition("\n---\n")
+    if not sep:
+        raise PatchError(f"{path}: no '---' line between header and diff")
+    fields = dict(re.findall(r"^([A-Z][A-Za-z-]+): (.*)$", head, flags=re.M))
+    fields["body"] = body
+    return fields
+
+
+def target_root(path: str | Path) -> Path:
+    """Directory whose ``megatron/core`` the diffs apply to (checkout or package directory)."""
+    p = Path(path).resolve()
+    if (p / "megatron" / "core" / "package_info.py").is_file():
+        return p
+    if p.name == "megatron" and (p / "core" / "package_info.py").is_file():
+        return p.parent
+    raise PatchError(f"{path}: neither a Megatron-LM checkout (megatron/core/package_info.py) "
+                     "nor an installed megatron package directory (core/package_info.py)")
+
+
+def target_version(root: Path) -> str:
+    """megatron-core version of a target, read from package_info.py (never imported)."""
+    text = (root / "megatron" / "core" / "package_info.py").read_text(encoding="utf-8")
+    parts = {k: v for k, v in re.findall(r"^(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", text, flags=re.M)}
+    if len(parts) != 3:
+        raise PatchError(f"cannot read the megatron-core version from {root}")
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+
+
+def _series(version: str) -> list[Path]:
+    folder = PATCHES_DIR / f"megatron-core-{version}"
+    files = sorted(folder.glob("*.patch")) if folder.is_dir() else []
+    if not files:
+        known = sorted(p.name.removeprefix("megatron-core-") for p in PATCHES_DIR.glob(
+            "megatron-core-*") if p.is_dir())
+        raise PatchError(f"no fork patches for megatron-core {version}; written for {known}")
+    return files
+
+
+def _git_apply(root: Path, files: list[Path], *args: str) -> subprocess.CompletedProcess:
+    # --unsafe-paths/--directory are not needed: paths are relative to root (cwd)
+    return subprocess.run(["git", "apply", "--whitespace=nowarn", *args, *map(str, files)],
+                          cwd=root, capture_output=True, text=True)
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    name: str
+    file: Path
+    state: str  # applied | applicable | conflicts
+    detail: str = ""
+
+
+def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
+    """(version, status of every diff of that version) for a target."""
+    root = target_root(path)
+    version = target_version(root)
+    out = []
+    for file in _series(version):
+        name = read_header(file).get("Patch-Name", file.stem)
+        if _git_apply(root, [file], "--check", "-R").returncode == 0:
+            out.append(PatchStatus(name, file, "applied"))
+            continue
+        res = _git_apply(root, [file], "--check")
+        out.append(PatchStatus(name, file, "applicable" if res.returncode == 0 else "conflicts",
+                               res.stderr.strip()))
+    return version, out
+
+
+def apply_diffs(path: str | Path) -> list[str]:
+    """Apply every not-yet-applied diff in one atomic ``git apply``; return their names."""
+    root = target_root(path)
+    version, statuses = check_diffs(root)
+    bad = [s for s in statuses if s.state == "conflicts"]
+    if bad:
+        raise PatchError(f"megatron-core {version} at {root}: "
+                         + "; ".join(f"{s.name} conflicts ({s.detail})" for s in bad)
+                         + " - nothing was changed")
+    todo = [s for s in statuses if s.state == "applicable"]
+    if todo:
+        res = _git_apply(root, [s.file for s in todo])
+        if res.returncode:
+            raise PatchError(f"git apply failed, nothing was changed: {res.stderr.strip()}")
+    return [s.name for s in todo]
+
+
+def revert_diffs(path: str | Path) -> list[str]:
+    """Revert every applied diff (newest first) in one atomic ``git apply -R``."""
+    root = target_root(path)
+    version, statuses = check_diffs(root)
+    applied = [s for s in statuses if s.state == "applied"]
+    if applied:
+        res = _git_apply(root, [s.file for s in reversed(applied)], "-R")
+        if res.returncode:
+            raise PatchError(f"git apply -R failed, nothing was changed: {res.stderr.strip()}")
+    return [s.name for s in reversed(applied)]

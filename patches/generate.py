@@ -1,0 +1,557 @@
+"""Regenerate ``patches/megatron-core-<version>/*.patch`` from the source edits below.
+
+Each runtime patch of :mod:`megatron_hcp.patching` has one fork-style edit here: exact text
+replacements in megatron-core's files (or a new file) that make the same change in source form.
+Run with the project's virtualenv (the installed megatron-core is the base):
+
+    .venv/bin/python patches/generate.py
+
+Every edit must match exactly once, so a new upstream release fails loudly here instead of
+producing a diff that does not apply. The header of each diff records the digest of the runtime
+patch's source (``Runtime-Digest``) and of the diff body (``Diff-Digest``); the drift test fails
+when either side changes without regenerating.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_hcp.patching import by_name  # noqa: E402
+from megatron_hcp.patching import cpu_runtime as cpu  # noqa: E402
+from megatron_hcp.patching.forkpatch import (  # noqa: E402
+    SERIES,
+    diff_digest,
+    megatron_package_dir,
+    runtime_digest,
+)
+
+VERSION = "0.16.1"
+NEW_FILE = object()
+
+
+def _cpu_runtime_module() -> str:
+    """megatron/core/cpu_runtime.py: the CPU view of torch, the same code as the runtime's."""
+    parts = [inspect.getsource(obj) for obj in (
+        cpu._cpu_device, cpu._factory_on_cpu, cpu._NoStream, cpu._CpuCuda, cpu.CpuDeviceTorch)]
+    factories = " ".join(sorted(cpu._FACTORIES))
+    head = textwrap.dedent(f'''\
+        """CPU/gloo runtime for megatron-core (fork patch from megatron-hcp).
+
+        ``cpu_torch_view(torch)`` is the ``torch`` module as one megatron-core module sees it
+        without CUDA: ``torch.cuda.current_device()`` is the CPU, tensor factories asked for a
+        CUDA device allocate on the CPU, CUDA streams and ``synchronize`` are no-ops, and the
+        CUDA RNG is the CPU generator. Modules opt in at their end when CUDA is unavailable.
+        """
+
+        from __future__ import annotations
+
+        import contextlib
+        from typing import Any
+
+        import torch
+
+        _FACTORIES = frozenset("{factories}".split())
+
+
+        ''')
+    tail = "\n\ndef cpu_torch_view(real: Any) -> CpuDeviceTorch:\n    return CpuDeviceTorch(real)\n"
+    return head + "\n\n".join(parts) + tail
+
+
+def _view_tail(name: str, summary: str, extra: str = "") -> str:
+    return (f"\n\n# megatron-hcp {name}: {summary}\n"
+            "if not torch.cuda.is_available():\n"
+            "    from megatron.core.cpu_runtime import cpu_torch_view\n\n"
+            "    torch = cpu_torch_view(torch)\n" + extra)
+
+
+def _append(path: str, text: str) -> tuple[str, str, str]:
+    return (path, "<<END>>", text)
+
+
+def _torch_view_edit(name: str) -> list:
+    patch = by_name([name])[0]
+    module = patch.targets[0].module
+    path = module.replace(".", "/") + ".py"
+    return [_append(path, _view_tail(name, patch.summary))]
+
+
+EDITS: dict[str, list] = {
+    # ------------------------------------------------------------------ CPU runtime
+    "cpu-schedules-device": [("megatron/core/cpu_runtime.py", NEW_FILE, _cpu_runtime_module()),
+                             *_torch_view_edit("cpu-schedules-device")],
+    "cpu-p2p-device": _torch_view_edit("cpu-p2p-device"),
+    "cpu-global-memory-buffer": _torch_view_edit("cpu-global-memory-buffer"),
+    "cpu-ddp-buffers": _torch_view_edit("cpu-ddp-buffers"),
+    "cpu-rope-device": _torch_view_edit("cpu-rope-device"),
+    "cpu-attention-masks": _torch_view_edit("cpu-attention-masks"),
+    "cpu-optimizer-device": _torch_view_edit("cpu-optimizer-device"),
+    "cpu-grad-norm-device": _torch_view_edit("cpu-grad-norm-device"),
+    "cpu-mtp-loss-tracker": _torch_view_edit("cpu-mtp-loss-tracker"),
+    "cpu-rope-cp-index": [(
+        "megatron/core/models/common/embeddings/rope_utils.py",
+        '''    cp_idx = torch.tensor(
+        [cp_rank, (2 * cp_size - cp_rank - 1)], device="cpu", pin_memory=True
+    ).cuda(non_blocking=True)
+''',
+        '''    # megatron-hcp cpu-rope-cp-index: index on the embedding's own device (no pinned memory
+    # or .cuda(): the CPU/gloo runtime has neither)
+    cp_idx = torch.tensor([cp_rank, (2 * cp_size - cp_rank - 1)], device=pos_emb.device)
+''')],
+    "cpu-rng-tracker": [_append(
+        "megatron/core/tensor_parallel/random.py",
+        _view_tail("cpu-rng-tracker", by_name(["cpu-rng-tracker"])[0].summary, '''
+    def _get_cuda_rng_state(device=-1, clone=False, graph_safe=False):
+        """The 'device' RNG state is the CPU generator's under the CPU runtime."""
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+'''))],
+    "cpu-tied-embedding-sync": [(
+        "megatron/core/models/common/language_module/language_module.py",
+        "                weight.data = weight.data.cuda()\n",
+        "                # megatron-hcp cpu-tied-embedding-sync: all-reduce where the weight lives\n"
+        "                if torch.cuda.is_available():\n"
+        "                    weight.data = weight.data.cuda()\n")],
+    # ------------------------------------------------------------------ integration
+    "attention-dynamic-cp-rope": [
+        ("megatron/core/transformer/attention.py",
+         "            q_pos_emb, k_pos_emb = rotary_pos_emb\n\n"
+         "            if packed_seq_params is not None and packed_seq_params.qkv_format == 'thd':\n"
+         "                if packed_seq_params.cu_seqlens_q_padded is not None:\n",
+         "            q_pos_emb, k_pos_emb = rotary_pos_emb\n"
+         "            # megatron-hcp attention-dynamic-cp-rope: a dynamic-CP micro-batch brings its\n"
+         "            # own CP group (local_cp_size 1 without a group: no CP)\n"
+         "            rope_cp_group = self.pg_collection.cp\n"
+         "            if packed_seq_params is not None and packed_seq_params.cp_group is not None:\n"
+         "                rope_cp_group = packed_seq_params.cp_group\n"
+         "            elif packed_seq_params is not None and packed_seq_params.local_cp_size == 1:\n"
+         "                rope_cp_group = _NoCPGroup()\n\n"
+         "            if packed_seq_params is not None and packed_seq_params.qkv_format == 'thd':\n"
+         "                if packed_seq_params.cu_seqlens_q_padded is not None:\n"),
+        ("megatron/core/transformer/attention.py",
+         "                            cu_seqlens=cu_seqlens_q,\n"
+         "                            mscale=_yarn_get_concentration_factor_from_config(self.config),\n"
+         "                            cp_group=self.pg_collection.cp,\n",
+         "                            cu_seqlens=cu_seqlens_q,\n"
+         "                            mscale=_yarn_get_concentration_factor_from_config(self.config),\n"
+         "                            cp_group=rope_cp_group,\n"),
+        ("megatron/core/transformer/attention.py",
+         "                            query, q_pos_emb, self.config, cu_seqlens_q, self.pg_collection.cp\n",
+         "                            query, q_pos_emb, self.config, cu_seqlens_q, rope_cp_group\n"),
+        ("megatron/core/transformer/attention.py",
+         "                        cu_seqlens=cu_seqlens_kv,\n"
+         "                        mscale=_yarn_get_concentration_factor_from_config(self.config),\n"
+         "                        cp_group=self.pg_collection.cp,\n",
+         "                        cu_seqlens=cu_seqlens_kv,\n"
+         "                        mscale=_yarn_get_concentration_factor_from_config(self.config),\n"
+         "                        cp_group=rope_cp_group,\n"),
+        _append("megatron/core/transformer/attention.py", '''
+
+class _NoCPGroup:
+    """megatron-hcp attention-dynamic-cp-rope: what RoPE reads of a CP group of one rank."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+'''),
+    ],
+    "cross-entropy-model-tp-group": [
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):\n"
+         '        """Vocab parallel cross entropy forward function."""\n',
+         "    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):\n"
+         '        """Vocab parallel cross entropy forward function (megatron-hcp\n'
+         '        cross-entropy-model-tp-group: over ``tp_group``, default the MPU TP group)."""\n'
+         "        if tp_group is None:\n"
+         "            tp_group = get_tensor_model_parallel_group()\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "            logits_max, op=torch.distributed.ReduceOp.MAX, group=get_tensor_model_parallel_group()\n",
+         "            logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "        rank = get_tensor_model_parallel_rank()\n"
+         "        world_size = get_tensor_model_parallel_world_size()\n",
+         "        rank = torch.distributed.get_rank(tp_group)\n"
+         "        world_size = torch.distributed.get_world_size(tp_group)\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "            predicted_logits,\n"
+         "            op=torch.distributed.ReduceOp.SUM,\n"
+         "            group=get_tensor_model_parallel_group(),\n",
+         "            predicted_logits,\n"
+         "            op=torch.distributed.ReduceOp.SUM,\n"
+         "            group=tp_group,\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "            sum_exp_logits,\n"
+         "            op=torch.distributed.ReduceOp.SUM,\n"
+         "            group=get_tensor_model_parallel_group(),\n",
+         "            sum_exp_logits,\n"
+         "            op=torch.distributed.ReduceOp.SUM,\n"
+         "            group=tp_group,\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "        return grad_input, None, None\n",
+         "        return grad_input, None, None, None  # no gradient for tp_group\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):\n",
+         "def vocab_parallel_cross_entropy(\n"
+         "    vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None\n"
+         "):\n"),
+        ("megatron/core/tensor_parallel/cross_entropy.py",
+         "    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing)\n",
+         "    return _VocabParallelCrossEntropy.apply(\n"
+         "        vocab_parallel_logits, target, label_smoothing, tp_group\n"
+         "    )\n"),
+        ("megatron/core/models/common/language_module/language_module.py",
+         "            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)\n",
+         "            # megatron-hcp cross-entropy-model-tp-group: the model's own TP group\n"
+         "            loss = tensor_parallel.vocab_parallel_cross_entropy(\n"
+         "                logits, labels, tp_group=self.pg_collection.tp\n"
+         "            )\n"),
+    ],
+    "destroy-forgets-stale-groups": [(
+        "megatron/core/parallel_state.py",
+        "    global _global_process_group_list\n    _global_process_group_list = None\n",
+        '''    # megatron-hcp destroy-forgets-stale-groups: destroy the groups created above and reset
+    # what the resets above miss (a re-initialization would otherwise see destroyed groups and
+    # stale rank lists; leaked gloo groups keep threads and sockets)
+    global _global_process_group_list
+    global _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS, _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP
+    global _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS
+    global _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP, _EMBEDDING_GLOBAL_RANKS
+    global _EXPERT_MODEL_PARALLEL_RANKS, _MODEL_PARALLEL_GLOBAL_RANKS, _PIPELINE_GLOBAL_RANKS
+    global _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS
+    _HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    _DATA_PARALLEL_GLOBAL_RANKS = None
+    _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
+    _EMBEDDING_GLOBAL_RANKS = None
+    _EXPERT_MODEL_PARALLEL_RANKS = None
+    _MODEL_PARALLEL_GLOBAL_RANKS = None
+    _PIPELINE_GLOBAL_RANKS = None
+    _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = None
+    _HYBRID_DP_CP_GROUPS.clear()
+    live = torch.distributed.distributed_c10d._world.pg_map
+    seen = set()
+    for group in _global_process_group_list or []:
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        if group is not torch.distributed.GroupMember.WORLD and group in live:
+            torch.distributed.destroy_process_group(group)
+    _global_process_group_list = None
+''')],
+    "te-attention-hcp": [
+        ("megatron/core/extensions/transformer_engine.py",
+         "            if getattr(TEDotProductAttention, \"cp_stream\") is None:\n"
+         "                TEDotProductAttention.cp_stream = torch.cuda.Stream()\n",
+         "            # megatron-hcp te-attention-hcp: no CUDA stream where there is no CUDA\n"
+         "            if getattr(TEDotProductAttention, \"cp_stream\") is None and (\n"
+         "                torch.cuda.is_available()\n"
+         "            ):\n"
+         "                TEDotProductAttention.cp_stream = torch.cuda.Stream()\n"),
+        ("megatron/core/extensions/transformer_engine.py",
+         "                    extra_kwargs[\"cp_group\"] = get_hierarchical_context_parallel_groups(\n"
+         "                        check_initialized=False\n"
+         "                    )\n",
+         "                    # megatron-hcp te-attention-hcp: the model's hierarchical groups\n"
+         "                    # (decentralized path), never silently none\n"
+         "                    hcp = getattr(pg_collection, \"hcp\", None) or (\n"
+         "                        get_hierarchical_context_parallel_groups(check_initialized=False)\n"
+         "                    )\n"
+         "                    if not hcp or len(hcp) != 2:\n"
+         "                        raise RuntimeError(\n"
+         "                            \"cp_comm_type=a2a+p2p but no hierarchical CP groups \"\n"
+         "                            \"(pg_collection.hcp); attention would run with CP off\"\n"
+         "                        )\n"
+         "                    extra_kwargs[\"cp_group\"] = hcp\n"),
+        ("megatron/core/extensions/transformer_engine.py",
+         "        if self.config.deterministic_mode:\n"
+         "            if int(os.getenv(\"NVTE_ALLOW_NONDETERMINISTIC_ALGO\", \"1\")) != 0:\n",
+         "        # megatron-hcp te-attention-hcp: the constructor's CP groups, restored after a\n"
+         "        # dynamic-CP micro-batch\n"
+         "        self._static_cp_args = (\n"
+         "            extra_kwargs.get(\"cp_group\"),\n"
+         "            extra_kwargs.get(\"cp_global_ranks\"),\n"
+         "            extra_kwargs.get(\"cp_stream\"),\n"
+         "            extra_kwargs.get(\"cp_comm_type\", cp_comm_type or \"p2p\"),\n"
+         "        )\n\n"
+         "        if self.config.deterministic_mode:\n"
+         "            if int(os.getenv(\"NVTE_ALLOW_NONDETERMINISTIC_ALGO\", \"1\")) != 0:\n"),
+        ("megatron/core/extensions/transformer_engine.py",
+         "            self.kept_packed_seq_params.discard(\"cp_group\")\n"
+         "            self.kept_packed_seq_params.discard(\"local_cp_size\")\n",
+         "            self.kept_packed_seq_params.discard(\"cp_group\")\n"
+         "            self.kept_packed_seq_params.discard(\"local_cp_size\")\n"
+         "            if packed_seq_params.cp_group is not None or (\n"
+         "                packed_seq_params.local_cp_size is not None\n"
+         "            ):\n"
+         "                try:\n"
+         "                    return self._forward_with_groups(\n"
+         "                        query, key, value, attention_mask, attn_mask_type,\n"
+         "                        attention_bias, packed_seq_params, num_splits,\n"
+         "                    )\n"
+         "                finally:  # megatron-hcp te-attention-hcp: back to the static groups\n"
+         "                    super().set_context_parallel_group(*self._static_cp_args)\n"
+         "        return self._forward_with_groups(\n"
+         "            query, key, value, attention_mask, attn_mask_type, attention_bias,\n"
+         "            packed_seq_params, num_splits,\n"
+         "        )\n\n"
+         "    def _forward_with_groups(\n"
+         "        self, query, key, value, attention_mask, attn_mask_type, attention_bias,\n"
+         "        packed_seq_params, num_splits,\n"
+         "    ):\n"
+         "        \"\"\"Upstream forward after the CP groups are set.\"\"\"\n"),
+    ],
+    "p2p-variable-seq-lengths": [
+        ("megatron/core/pipeline_parallel/p2p_communication.py",
+         "        config = self.config\n"
+         "        tensor_recv_prev_func = None\n",
+         "        config = self.config\n"
+         "        if config.variable_seq_lengths or config.mtp_standalone:\n"
+         "            # megatron-hcp p2p-variable-seq-lengths\n"
+         "            return self._communicate_variable(\n"
+         "                tensor_send_next, tensor_send_prev, recv_prev, recv_next, wait_on_reqs\n"
+         "            )\n"
+         "        tensor_recv_prev_func = None\n"),
+        ("megatron/core/pipeline_parallel/p2p_communication.py",
+         "    def _communicate(\n",
+         '''    def _communicate_variable(
+        self, tensor_send_next, tensor_send_prev, recv_prev, recv_next, wait_on_reqs
+    ):
+        """Variable sequence lengths: send shapes and tensors first, then receive.
+
+        megatron-hcp p2p-variable-seq-lengths: exchanging every shape (blocking, tag 0) before
+        any tensor deadlocks or mismatches shapes when the two stages of a PP=2 pipeline group
+        their calls differently (interleaved schedule, every micro-batch in warm-up). Sends never
+        wait for receives, and each kind and direction has its own tag.
+        """
+        group, config = self.pp_group, self.config
+        sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
+        device = (
+            sent.device
+            if sent is not None
+            else (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        )
+        works = []
+        for tensor, peer, shape_tag, data_tag in (
+            (tensor_send_next, self.next_rank, 11, 13),
+            (tensor_send_prev, self.prev_rank, 12, 14),
+        ):
+            if tensor is not None:
+                size = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
+                works.append(torch.distributed.isend(size, peer, group=group, tag=shape_tag))
+                works.append(torch.distributed.isend(tensor, peer, group=group, tag=data_tag))
+        received = []
+        for wanted, peer, shape_tag, data_tag in (
+            (recv_prev, self.prev_rank, 11, 13),
+            (recv_next, self.next_rank, 12, 14),
+        ):
+            if not wanted:
+                received.append(None)
+                continue
+            size = torch.empty(3, dtype=torch.int64, device=device)
+            torch.distributed.irecv(size, peer, group=group, tag=shape_tag).wait()
+            buf = torch.empty(
+                size.tolist(), requires_grad=True, device=device, dtype=config.pipeline_dtype
+            )
+            works.append(torch.distributed.irecv(buf, peer, group=group, tag=data_tag))
+            received.append(buf)
+        for work in works:
+            work.wait()
+        return received[0], received[1], ([] if not wait_on_reqs else None)
+
+    def _communicate(
+'''),
+    ],
+    "chained-optimizer-count-zeros-tp-group": [(
+        "megatron/core/optimizer/optimizer.py",
+        "                params += optimizer.get_parameters()\n"
+        "            return count_zeros_fp32(\n"
+        "                params,\n"
+        "                grad_stats_parallel_group=self.get_grad_stats_parallel_group(),\n"
+        "                use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,\n"
+        "            )\n",
+        "                params += optimizer.get_parameters()\n"
+        "            # megatron-hcp chained-optimizer-count-zeros-tp-group: the optimizers' TP group\n"
+        "            tp_groups = {id(getattr(o, 'tp_group', None)): getattr(o, 'tp_group', None)\n"
+        "                         for o in self.chained_optimizers}\n"
+        "            return count_zeros_fp32(\n"
+        "                params,\n"
+        "                grad_stats_parallel_group=self.get_grad_stats_parallel_group(),\n"
+        "                use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,\n"
+        "                tp_group=next(iter(tp_groups.values())) if len(tp_groups) == 1 else None,\n"
+        "            )\n")],
+    "mtp-dynamic-cp-group": [
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "            cp_group=self.cp_group,\n            packed_seq_params=packed_seq_params,\n"
+         "        )\n        position_ids, _ = roll_tensor(\n",
+         "            cp_group=_micro_batch_cp_group(self.cp_group, packed_seq_params),\n"
+         "            packed_seq_params=packed_seq_params,\n"
+         "        )\n        position_ids, _ = roll_tensor(\n"),
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "            cp_group=self.cp_group,\n            packed_seq_params=packed_seq_params,\n"
+         "        )\n",
+         "            cp_group=_micro_batch_cp_group(self.cp_group, packed_seq_params),\n"
+         "            packed_seq_params=packed_seq_params,\n        )\n"),
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):\n",
+         '''def _micro_batch_cp_group(static_group, packed_seq_params):
+    """megatron-hcp mtp-dynamic-cp-group: the micro-batch's dynamic CP group (None: no CP)."""
+    if packed_seq_params is None:
+        return static_group
+    if packed_seq_params.cp_group is not None:
+        return packed_seq_params.cp_group
+    if packed_seq_params.local_cp_size == 1:
+        return None
+    return static_group
+
+
+def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+'''),
+        ("megatron/core/models/gpt/gpt_model.py",
+         "                mtp_labels, _ = roll_tensor(\n                    mtp_labels,\n"
+         "                    shifts=-1,\n                    dims=-1,\n"
+         "                    cp_group=self.cp_group,\n",
+         "                mtp_labels, _ = roll_tensor(\n                    mtp_labels,\n"
+         "                    shifts=-1,\n                    dims=-1,\n"
+         "                    cp_group=_micro_batch_cp_group(self.cp_group, packed_seq_params),\n"),
+        ("megatron/core/models/gpt/gpt_model.py",
+         "                loss_mask, num_tokens = roll_tensor(\n                    loss_mask,\n"
+         "                    shifts=-1,\n                    dims=-1,\n"
+         "                    cp_group=self.cp_group,\n",
+         "                loss_mask, num_tokens = roll_tensor(\n                    loss_mask,\n"
+         "                    shifts=-1,\n                    dims=-1,\n"
+         "                    cp_group=_micro_batch_cp_group(self.cp_group, packed_seq_params),\n"),
+        ("megatron/core/models/gpt/gpt_model.py",
+         "    roll_tensor,\n",
+         "    _micro_batch_cp_group,  # megatron-hcp mtp-dynamic-cp-group\n    roll_tensor,\n"),
+    ],
+    "mamba-dynamic-cp-group": [
+        ("megatron/core/ssm/mamba_mixer.py",
+         "        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)\n",
+         "        # megatron-hcp mamba-dynamic-cp-group: the micro-batch's dynamic CP group\n"
+         "        static_cp = self.cp\n"
+         "        self.cp = self._cp_for(packed_seq_params)\n"
+         "        try:\n"
+         "            return self._forward_cp(\n"
+         "                zxBCdt, conv_state, ssm_state, in_inference_mode, packed_seq_params\n"
+         "            )\n"
+         "        finally:\n"
+         "            self.cp = static_cp\n\n"
+         "    def _cp_for(self, packed_seq_params):\n"
+         "        \"\"\"The MambaContextParallel of the micro-batch's CP group (cached per group).\"\"\"\n"
+         "        group = getattr(packed_seq_params, \"cp_group\", None)\n"
+         "        local = getattr(packed_seq_params, \"local_cp_size\", None)\n"
+         "        if group is None and local != 1:\n"
+         "            return self.cp\n"
+         "        cache = self.__dict__.setdefault(\"_dynamic_cp\", {})\n"
+         "        if id(group) not in cache:\n"
+         "            static = self.cp\n"
+         "            cache[id(group)] = MambaContextParallel(\n"
+         "                cp_group=group if group is not None else _NoCPGroup(),\n"
+         "                d_inner_local_tp=static.d_inner_local_tp,\n"
+         "                nheads_local_tp=static.nheads_local_tp,\n"
+         "                ngroups_local_tp=static.ngroups_local_tp,\n"
+         "                d_state=static.d_state,\n"
+         "                conv1d_cp1=static.conv1d_cp1,\n"
+         "                dt_bias_cp1=static.dt_bias_cp1,\n"
+         "                A_log_cp1=static.A_log_cp1,\n"
+         "                D_cp1=static.D_cp1,\n"
+         "                D_has_hdim=static.D_has_hdim,\n"
+         "            )\n"
+         "        return cache[id(group)]\n\n"
+         "    def _forward_cp(self, zxBCdt, conv_state, ssm_state, in_inference_mode,\n"
+         "                    packed_seq_params):\n"
+         "        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)\n"),
+        _append("megatron/core/ssm/mamba_mixer.py", '''
+
+class _NoCPGroup:
+    """megatron-hcp mamba-dynamic-cp-group: a CP group of one rank (no CP)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+'''),
+    ],
+    "pg-collection-repr": [(
+        "megatron/core/process_groups_config.py",
+        "                if pg is not None:\n"
+        "                    active_pgs.append(f\"{field_info.name}({pg.size()})\")\n",
+        "                if isinstance(pg, (list, tuple)):  # megatron-hcp pg-collection-repr (hcp)\n"
+        "                    active_pgs.append(f\"{field_info.name}({[g.size() for g in pg]})\")\n"
+        "                elif pg is not None:\n"
+        "                    active_pgs.append(f\"{field_info.name}({pg.size()})\")\n")],
+}
+
+
+def _header(name: str) -> str:
+    patch = by_name([name])[0]
+    return (f"From: megatron-hcp\nSubject: [PATCH] {name}: {patch.summary}\n\n"
+            + textwrap.fill(f"Upstream: {patch.upstream}", 100) + "\n\n"
+            f"Patch-Name: {name}\nMegatron-Core-Versions: {', '.join(patch.versions)}\n"
+            f"Runtime-Digest: {runtime_digest(patch)}\n")
+
+
+def generate(version: str = VERSION) -> list[Path]:
+    pkg = megatron_package_dir()
+    root = pkg.parent  # files are named megatron/core/... from here
+    state: dict[str, str | None] = {}
+    out_dir = ROOT / "patches" / f"megatron-core-{version}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.patch"):
+        old.unlink()
+    written = []
+    for number, name in enumerate(SERIES, start=1):
+        before: dict[str, str | None] = {}
+        for path, old, new in EDITS[name]:
+            if path not in state:
+                file = root / path
+                state[path] = file.read_text() if file.is_file() else None
+            before.setdefault(path, state[path])
+            text = state[path]
+            if old is NEW_FILE:
+                if text is not None:
+                    raise SystemExit(f"{name}: {path} already exists")
+                state[path] = new
+            elif old == "<<END>>":
+                state[path] = text.rstrip("\n") + "\n" + new
+            else:
+                if text is None or text.count(old) != 1:
+                    raise SystemExit(f"{name}: edit of {path} matches "
+                                     f"{0 if text is None else text.count(old)} times")
+                state[path] = text.replace(old, new)
+        body = []
+        for path in sorted(before):
+            a = (before[path] or "").splitlines(keepends=True)
+            b = (state[path] or "").splitlines(keepends=True)
+            src = f"a/{path}" if before[path] is not None else "/dev/null"
+            body.append(f"diff --git a/{path} b/{path}\n")
+            if before[path] is None:
+                body.append("new file mode 100644\n")
+            body.extend(difflib.unified_diff(a, b, src, f"b/{path}", n=3))
+        diff = "".join(body)
+        target = out_dir / f"{number:04d}-{name}.patch"
+        target.write_text(_header(name) + f"Diff-Digest: {diff_digest(diff)}\n---\n" + diff)
+        written.append(target)
+    return written
+
+
+if __name__ == "__main__":
+    for path in generate():
+        print(path.relative_to(ROOT))
