@@ -103,6 +103,7 @@ class LocalWorld:
         timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
         preload: list[str] | None = None,
+        start_method: str = "forkserver",
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
@@ -110,6 +111,9 @@ class LocalWorld:
         self.timeout_s = timeout_s
         self.env = dict(env or {})
         self.preload = _PRELOAD if preload is None else preload
+        # "spawn" gives ranks a fresh interpreter: the forkserver is shared by every world of
+        # a process and keeps the modules it preloaded first
+        self.start_method = start_method
         self._procs: list[mp.Process] = []
         self._tasks: list[mp.Queue] = []
         self._results: mp.Queue | None = None
@@ -119,8 +123,9 @@ class LocalWorld:
     def start(self) -> LocalWorld:
         if self._procs:
             return self
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(self.preload)
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(self.preload)
         import torch.distributed as dist
 
         self._store = dist.TCPStore(

@@ -7,6 +7,7 @@ and returns the metrics rank 0 wrote. ``check_recipe`` runs everything a recipe'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,8 +114,12 @@ def _run_with_resume(recipe: Recipe, steps: int, echo) -> tuple[dict, float]:
 
 
 def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = True,
-                 echo: Callable[[str], None] | None = print) -> RecipeResult:
-    """Run a recipe, compare with golden values, with CP=1 and (ckpt-resume) after resuming."""
+                 echo: Callable[[str], None] | None = print,
+                 cp1_cache: dict | None = None) -> RecipeResult:
+    """Run a recipe, compare with golden values, with CP=1 and (ckpt-resume) after resuming.
+
+    ``cp1_cache`` (optional, caller-owned) reuses the CP=1 run of recipes whose CP=1 form is
+    the same model, data and layout (e.g. the p2p / all_gather / a2a family)."""
     recipe = load_recipe(_recipe_dir(name))
     n = steps or recipe.spec.steps
     result = RecipeResult(recipe.name, n, True)
@@ -137,7 +142,15 @@ def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = T
                             f"update-golden {recipe.name}`")
     cp = recipe.config.context_parallel_size
     if cp_invariance and cp > 1:
-        base = run_recipe(recipe, steps=n, cp1=True, echo=echo)
+        flat = recipe.with_cp1()
+        key = repr((flat.config, dataclasses.replace(flat.spec, steps=n), flat.decentralized,
+                    flat.nproc))
+        if cp1_cache is not None and key in cp1_cache:
+            base = cp1_cache[key]
+        else:
+            base = run_recipe(recipe, steps=n, cp1=True, echo=echo)
+            if cp1_cache is not None:
+                cp1_cache[key] = base
         result.cp1_max_rel = _max_rel(metrics["lm loss"], base["lm loss"])
         good = result.cp1_max_rel <= CP1_RTOL
         result.passed &= good

@@ -1,4 +1,4 @@
-"""Functional recipes, static CP / HCP: golden values (lm loss, num-zeros) and CP=1 invariance."""
+"""Functional recipes, static CP / HCP and checkpoint resume: golden values and CP=1 invariance."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from tests.functional._check import assert_recipe_passes
 
 RECIPES = ["gpt3_mcore_tp1_pp1_cp4_p2p", "gpt3_mcore_tp1_pp1_cp4_all_gather",
-           "gpt3_mcore_tp1_pp1_cp4_a2a", "gpt3_mcore_tp1_pp2_cp4_a2a_p2p"]
+           "gpt3_mcore_tp1_pp1_cp4_a2a", "gpt3_mcore_tp1_pp1_cp4_p2p_ckpt_resume",
+           "gpt3_mcore_tp1_pp2_cp4_a2a_p2p"]
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -109,8 +109,9 @@ def test_refuses_other_versions_and_conflicts_atomically(pristine, tmp_path):
 @pytest.fixture(scope="module")
 def patched_world(pristine):
     apply_diffs(pristine)
-    # megatron is not preloaded: each rank imports it from the patched copy
-    with LocalWorld(WORLD, preload=["torch", "torch.distributed", "numpy", "einops"]) as w:
+    # fresh interpreters (not the shared forkserver, which may have imported megatron already):
+    # each rank imports megatron from the patched copy
+    with LocalWorld(WORLD, start_method="spawn") as w:
         yield w, str(pristine)
 
 
@@ -121,8 +122,7 @@ def runtime_world():
 
 
 @pytest.mark.parametrize("cp, comm, hcp, pp, dynamic", [
-    (4, "a2a+p2p", [2, 2], 1, False), (2, "all_gather", None, 2, False),
-    (4, "p2p", None, 1, False), (2, "p2p", None, 1, True), (2, "p2p", None, 2, True)])
+    (4, "a2a+p2p", [2, 2], 1, False), (2, "all_gather", None, 2, False), (2, "p2p", None, 2, True)])
 def test_diffs_train_exactly_like_the_runtime_patches(patched_world, runtime_world, cp, comm,
                                                       hcp, pp, dynamic):
     world, source = patched_world

@@ -1,4 +1,4 @@
-"""Functional recipes: dynamic CP (TP, VPP), decentralized HCP, checkpoint resume."""
+"""Functional recipes: dynamic CP (TP, VPP) and decentralized HCP."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 from tests.functional._check import assert_recipe_passes
 
 RECIPES = ["gpt3_mcore_tp2_pp1_cp4_dcp", "gpt3_mcore_tp1_pp2_vpp2_cp2_dcp",
-           "gpt3_mcore_tp2_pp1_cp4_a2a_p2p_decentralized_pg",
-           "gpt3_mcore_tp1_pp1_cp4_p2p_ckpt_resume"]
+           "gpt3_mcore_tp2_pp1_cp4_a2a_p2p_decentralized_pg"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
