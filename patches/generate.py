@@ -76,6 +76,21 @@ def _append(path: str, text: str) -> tuple[str, str, str]:
     return (path, "<<END>>", text)
 
 
+def _no_cp_group(name: str) -> str:
+    """A stand-in CP group of one rank (no CP), appended to the module a patch edits."""
+    return (f'''
+
+class _NoCPGroup:
+    """megatron-hcp {name}: a CP group of one rank (no CP)."""
+''' + '''
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+''')
+
+
 def _torch_view_edit(name: str) -> list:
     patch = by_name([name])[0]
     module = patch.targets[0].module
@@ -154,17 +169,8 @@ EDITS: dict[str, list] = {
          "                        cu_seqlens=cu_seqlens_kv,\n"
          "                        mscale=_yarn_get_concentration_factor_from_config(self.config),\n"
          "                        cp_group=rope_cp_group,\n"),
-        _append("megatron/core/transformer/attention.py", '''
-
-class _NoCPGroup:
-    """megatron-hcp attention-dynamic-cp-rope: what RoPE reads of a CP group of one rank."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-'''),
+        _append("megatron/core/transformer/attention.py",
+                _no_cp_group("attention-dynamic-cp-rope")),
     ],
     "cross-entropy-model-tp-group": [
         ("megatron/core/tensor_parallel/cross_entropy.py",
@@ -477,17 +483,7 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
          "    def _forward_cp(self, zxBCdt, conv_state, ssm_state, in_inference_mode,\n"
          "                    packed_seq_params):\n"
          "        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)\n"),
-        _append("megatron/core/ssm/mamba_mixer.py", '''
-
-class _NoCPGroup:
-    """megatron-hcp mamba-dynamic-cp-group: a CP group of one rank (no CP)."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-'''),
+        _append("megatron/core/ssm/mamba_mixer.py", _no_cp_group("mamba-dynamic-cp-group")),
     ],
     "pg-collection-repr": [(
         "megatron/core/process_groups_config.py",

@@ -43,16 +43,43 @@ def megatron_package_dir() -> Path:
     return Path(megatron.core.__file__).resolve().parent.parent
 
 
+def _names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+def _project_sources(obj, seen: set[int]) -> list[str]:
+    """Source of ``obj`` and, transitively, of the project functions and classes it uses."""
+    if id(obj) in seen or not getattr(obj, "__module__", "").startswith("megatron_hcp"):
+        return []
+    seen.add(id(obj))
+    try:
+        out = [inspect.getsource(obj)]
+    except (OSError, TypeError):
+        return [repr(obj)]
+    code = getattr(obj, "__code__", None)
+    scope = getattr(obj, "__globals__", None)
+    if code is not None and scope is not None:
+        for name in sorted(_names(code)):
+            used = scope.get(name)
+            if inspect.isfunction(used) or inspect.isclass(used):
+                out += _project_sources(used, seen)
+    return out
+
+
 def runtime_digest(patch: Patch) -> str:
-    """Digest of the source of a runtime patch's replacements (what the diff must mirror)."""
+    """Digest of the source of a runtime patch's replacements and of every project function or
+    class they use (what the diff must mirror)."""
     h = hashlib.sha256()
     h.update(f"{patch.name}|{patch.versions}".encode())
+    seen: set[int] = set()
     for target in patch.targets:
         h.update(f"{target.module}:{target.qualname}".encode())
-        try:
-            h.update(inspect.getsource(target.make).encode())
-        except (OSError, TypeError):
-            h.update(repr(target.make).encode())
+        for source in _project_sources(target.make, seen):
+            h.update(source.encode())
     return h.hexdigest()[:16]
 
 

@@ -6,6 +6,8 @@ from dataclasses import fields
 from typing import Any
 
 from ..attention.module import make_te_forward, make_te_init
+from ..parallel_state.mpu import destroy_groups, forget_stale_groups
+from .cross_entropy import vocab_parallel_cross_entropy
 from .registry import Patch, Target
 
 __all__ = ["INTEGRATION_PATCHES"]
@@ -39,8 +41,6 @@ def _make_destroy(original):
         leaves set (groups and rank lists)."""
         from megatron.core import parallel_state as ps
 
-        from ..parallel_state.mpu import destroy_groups, forget_stale_groups
-
         created = list(getattr(ps, "_global_process_group_list", None) or [])
         original(*args, **kwargs)
         destroy_groups(created)
@@ -52,8 +52,6 @@ def _make_destroy(original):
 def _make_lm_loss(original):
     def compute_language_model_loss(self, labels, logits):
         """Unfused cross-entropy over the model's own TP group (``pg_collection.tp``)."""
-        from .cross_entropy import vocab_parallel_cross_entropy
-
         if self.config.cross_entropy_loss_fusion:
             return original(self, labels, logits)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
@@ -77,15 +75,23 @@ class NoCPGroup:
         return 0
 
 
+def _dynamic_group(params: Any) -> tuple[bool, Any]:
+    """(dynamic?, group) of a micro-batch's ``packed_seq_params`` (group None: no CP)."""
+    group = getattr(params, "cp_group", None)
+    local = getattr(params, "local_cp_size", None)
+    if group is None and local != 1:
+        return False, None
+    return True, group
+
+
 def _make_attention_forward(original):
     def forward(self, *args, **kwargs):
         """Apply RoPE with the micro-batch's dynamic CP group, then restore the static one."""
         params = kwargs.get("packed_seq_params")
         if params is None and len(args) > 9:
             params = args[9]
-        group = getattr(params, "cp_group", None)
-        local = getattr(params, "local_cp_size", None)
-        if group is None and local != 1:
+        dynamic, group = _dynamic_group(params)
+        if not dynamic:
             return original(self, *args, **kwargs)
         static = self.pg_collection.cp
         self.pg_collection.cp = group if group is not None else NoCPGroup()
@@ -152,15 +158,6 @@ def _make_communicate(original):
         return received[0], received[1], ([] if not wait_on_reqs else None)
 
     return _communicate
-
-
-def _dynamic_group(params: Any) -> tuple[bool, Any]:
-    """(dynamic?, group) of a micro-batch's ``packed_seq_params`` (group None: no CP)."""
-    group = getattr(params, "cp_group", None)
-    local = getattr(params, "local_cp_size", None)
-    if group is None and local != 1:
-        return False, None
-    return True, group
 
 
 def _make_mtp_forward(original):
