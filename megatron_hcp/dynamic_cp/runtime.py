@@ -83,6 +83,7 @@ class DynamicCPDataPath:
         dist.all_gather(table, mine, group=dp_cp)
         self.dp_of = [int(t[0]) for t in table]
         self.cp_of = [int(t[1]) for t in table]
+        self.position_of = {(d, c): p for p, (d, c) in enumerate(zip(self.dp_of, self.cp_of))}
 
     # ------------------------------------------------------------------ steps 1-2
     def _global_lengths(self, ids: Sequence[int], lengths: Sequence[int]
@@ -115,7 +116,6 @@ class DynamicCPDataPath:
     def _route(self, plan: Plan, local: dict[int, torch.Tensor], lengths: list[int],
                n_local: int) -> dict[int, torch.Tensor]:
         me = self.position
-        positions = range(self.groups.size)
         ranks = self.groups.dp_cp_ranks
         have = dict(local)
         ops, inbox = [], {}
@@ -126,8 +126,7 @@ class DynamicCPDataPath:
                     for q in g.ranks:
                         if self.dp_of[q] == owner:
                             continue  # q's replica loaded it
-                        sender = next(p for p in positions
-                                      if self.dp_of[p] == owner and self.cp_of[p] == self.cp_of[q])
+                        sender = self.position_of[(owner, self.cp_of[q])]
                         if sender == me:
                             ops.append(dist.isend(have[s].contiguous(), ranks[q], tag=s))
                         elif q == me:
@@ -151,8 +150,8 @@ class DynamicCPDataPath:
         local = {}
         if self.is_tp_src:
             local = {i: load(i) for i in ids}
-        all_ids, lengths = self._global_lengths(ids, [int(local[i].shape[1]) for i in ids]
-                                                if self.is_tp_src else [0] * len(ids))
+        all_ids, lengths = self._global_lengths(
+            ids, [int(local[i].shape[1]) if local else 0 for i in ids])
         plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
                         min_cp_size=self.min_cp_size, vpp=self.multiple)
         self._check_same_plan(plan, all_ids)
