@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,8 +71,6 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
                     echo(line.rstrip())
             code = proc.wait()
         if code != 0 or not out.is_file():
-            import re
-
             errors = [line for line in log if re.search(r"\w+(Error|Exception): ", line)]
             tail = "".join(errors[:3]) + "".join(log[-40:])
             raise RecipeRunError(f"{recipe.name}{' (CP=1)' if cp1 else ''} failed with exit "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,6 @@ class Recipe:
     config: CPConfig
     spec: TinyGPTSpec
     decentralized: bool = False
-    notes: list[str] = field(default_factory=list)
 
     @property
     def nproc(self) -> int:
@@ -166,9 +165,8 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
             samples_per_micro_batch=values.get("--mock-samples-per-micro-batch", 1))
     spec = TinyGPTSpec(**spec_kwargs)
     model = spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size
-    nproc = int(doc.get("NPROC", 0)) or None
     env = {str(k): str(v) for k, v in (doc.get("ENV_VARS") or {}).items()}
-    world = nproc or int(env.get("NPROC_PER_NODE", 0)) or 0
+    world = int(doc.get("NPROC", 0))
     if world <= 0:
         raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
                                        "add NPROC: <ranks> to model_config.yaml")])

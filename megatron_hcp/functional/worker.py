@@ -10,7 +10,6 @@ import argparse
 import json
 import resource
 import sys
-import time
 
 
 def _metrics(history: dict, first_step: int) -> dict:
@@ -101,5 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    start = time.time()
     sys.exit(main())
