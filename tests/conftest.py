@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import pytest
+
 from megatron_hcp.local_world import LocalWorld
 
 
@@ -16,3 +18,10 @@ def local_world(world_size: int, env: dict[str, str] | None = None) -> Iterator[
         yield world
     finally:
         world.close()
+
+
+@pytest.fixture(scope="module")
+def world(request):
+    """One reusable world of ``WORLD`` ranks (the test module's constant) per test module."""
+    with local_world(request.module.WORLD) as w:
+        yield w

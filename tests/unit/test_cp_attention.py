@@ -21,7 +21,6 @@ from megatron_hcp.attention.reference import (
 from megatron_hcp.local_world import RankError
 from megatron_hcp.parallel_state.hierarchical import new_groups
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups
-from tests.conftest import local_world
 
 WORLD = 4
 COMMS = ["p2p", "all_gather", "a2a", "a2a+p2p"]
@@ -29,12 +28,6 @@ FORMATS = ["bshd", "sbhd", "thd"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "kv_rep": (4, 1)}  # (q heads, kv heads)
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 _GROUPS: dict = {}  # per worker process: groups are created once, in the same order everywhere
-
-
-@pytest.fixture(scope="module")
-def world():
-    with local_world(WORLD) as w:
-        yield w
 
 
 def cp_groups(cp: int, hcp: tuple[int, int] | None):

@@ -8,17 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import local_world
-
 WORLD = 8
 FIELDS_ORDERED = ["tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp"]
 FIELDS_SETS = ["mp", "tp_cp", "tp_dp_cp", "dp_cp", "tp_ep", "tp_ep_pp", "embd", "pos_embd"]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with local_world(WORLD) as w:
-        yield w
 
 
 def _config(tp, cp, pp, hcp, world=WORLD):

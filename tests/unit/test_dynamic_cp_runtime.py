@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import local_world
-
 WORLD = 8
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def world():
-    with local_world(WORLD) as w:
-        yield w
 
 
 # ---------------------------------------------------------------- groups

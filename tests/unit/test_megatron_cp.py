@@ -8,16 +8,9 @@ import torch.distributed as dist
 
 from megatron_hcp.local_world import RankError
 from megatron_hcp.parallel_state.mpu import destroy_groups
-from tests.conftest import local_world
 
 WORLD = 4
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def world():
-    with local_world(WORLD) as w:
-        yield w
 
 
 def train(tp, cp, pp, comm, hcp, steps=3, tied=False):

@@ -17,7 +17,6 @@ from megatron_hcp.parallel_state.mpu import (
     verify_against_layout,
 )
 from megatron_hcp.parallel_state.selfcheck import check_mpu_groups
-from tests.conftest import local_world
 
 WORLD = 8
 
@@ -31,12 +30,6 @@ CASES = [
     (2, 2, 1, [2, 1], "tp-cp-ep-pp-dp"),
     (1, 4, 1, [2, 2], "tp-cp-ep-pp-dp"),  # megatron refuses CP>1 with PP>1 in this order
 ]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with local_world(WORLD) as w:
-        yield w
 
 
 def _config(tp, cp, pp, hcp):
