@@ -1,19 +1,29 @@
 """Dynamic-CP scheduler benchmark: this project's scheduler against same-run baselines.
 
-Baselines, on the same batches and scored with the same FLOPs cost model:
+Baselines, on the same batches and scored with the same cost model:
 
 * ``upstream``: megatron-core 0.16.1's ``BalancedCPScheduler`` (imported from the installed
   package; it plans with its own ``seq_len**2 / cp`` model and ignores the packing cap);
 * ``dp_balanced``: static CP, one fixed CP size that fits the longest sequence, sequences
-  greedily balanced (largest first) over the DP replicas.
+  greedily balanced (largest first) over the DP replicas, which meet only at the step end.
 
-Efficiency = ideal / makespan, ideal = total work / N, makespan = sum over micro-batches of the
-slowest rank. Run: ``.venv/bin/python benchmarks/dynamic_cp.py [--samples 2048]``
+Table 1 (FLOPs model): efficiency = ideal / makespan, ideal = total work / N, makespan = sum
+over micro-batches of the slowest rank; ``enl`` = share of tokens on a larger group than their
+smallest legal one. Table 2 (projected step, :mod:`megatron_hcp.dynamic_cp.projection`):
+dp_balanced seconds / ours (scheduled with ``hardware=``) for several assumed links, and with
+no communication at all (pure FLOPs, where static CP cannot lose balance).
+
+Model and lengths follow megatron's DCP functional test ``gpt3_mcore_te_tp2_pp1_cp4_dcp``
+(12 layers, hidden 512, 8 heads, lognormal 128..2048 mean 512 sigma 1.2, cap 512 tokens per
+rank); long_tail adds 5 % of sequences up to N x cap.
+
+Run: ``.venv/bin/python benchmarks/dynamic_cp.py [--samples 2048] [--seeds 4]``
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -22,6 +32,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hcp.dynamic_cp.projection import (  # noqa: E402
+    Hardware,
+    plan_seconds,
+    projected_seconds,
+    static_cp_seconds,
+)
 from megatron_hcp.dynamic_cp.scheduler import schedule  # noqa: E402
 from megatron_hcp.dynamic_cp.workload import (  # noqa: E402
     GPTWorkload,
@@ -29,8 +45,15 @@ from megatron_hcp.dynamic_cp.workload import (  # noqa: E402
     tokens_per_rank,
 )
 
-MODEL = GPTWorkload(num_layers=1, hidden_size=1024, num_attention_heads=16)
-CAP = 1024
+MODEL = GPTWorkload(num_layers=12, hidden_size=512, num_attention_heads=8)
+LARGE = GPTWorkload(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                    num_attention_heads=32, num_query_groups=8, gated_mlp=True)
+CAP = 512
+HARDWARE = {
+    "nvlink": Hardware(bytes_per_second=200e9, latency_seconds=5e-6),
+    "ib": Hardware(bytes_per_second=25e9, latency_seconds=15e-6),
+    "no-comm": Hardware(bytes_per_second=float("inf"), latency_seconds=0.0),
+}
 
 
 def lognormal(rng, count, mean=512, sigma=1.2, lo=128, hi=2048):
@@ -38,11 +61,11 @@ def lognormal(rng, count, mean=512, sigma=1.2, lo=128, hi=2048):
     return np.clip(rng.lognormal(mu, sigma, count), lo, hi).astype(int).tolist()
 
 
-def long_tail(rng, count, n):
-    """Mostly short sequences plus a heavy tail up to N x cap tokens."""
+def long_tail(rng, count, n, cap=CAP):
+    """Mostly lognormal sequences plus 5 % up to N x cap tokens."""
     base = lognormal(rng, count)
     tail = rng.random(count) < 0.05
-    longs = rng.integers(2048, n * CAP - 2 * n, size=count)
+    longs = rng.integers(2048, n * cap - 2 * n, size=count)
     return [int(x) if t else b for b, t, x in zip(base, tail, longs)]
 
 
@@ -54,8 +77,8 @@ class _Size:
         return self.n
 
 
-def upstream_makespan(lengths, n):
-    """Run megatron-core's BalancedCPScheduler; score its plan with MODEL."""
+def upstream(lengths, n, model):
+    """Run megatron-core's BalancedCPScheduler; score its plan with ``model``."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     sched = BalancedCPScheduler(CAP, _Size(n))
@@ -68,54 +91,92 @@ def upstream_makespan(lengths, n):
         for ids in per_gpu:
             for s in ids:
                 holders[s] = holders.get(s, 0) + 1
-        loads = [sum(MODEL.cost(lengths[s], holders[s]) for s in ids) for ids in per_gpu]
+        loads = [sum(model.cost(lengths[s], holders[s]) for s in ids) for ids in per_gpu]
         toks = [sum(tokens_per_rank(lengths[s], holders[s]) for s in ids) for ids in per_gpu]
         makespan += max(loads, default=0.0)
         peak = max(peak, max(toks, default=0))
-    return makespan, peak, len(sample_id_groups), seconds
+    return makespan, peak, seconds
 
 
-def dp_balanced_makespan(lengths, n):
-    """Static CP fitting the longest sequence; largest-first greedy over DP replicas."""
+def dp_balanced(lengths, n, weight):
+    """Static CP fitting the longest sequence; largest-first greedy over the DP replicas."""
     c = min_group_size(max(lengths), CAP, n)
-    replicas = np.zeros(n // c)
-    for length in sorted(lengths, reverse=True):
-        replicas[int(np.argmin(replicas))] += MODEL.cost(length, c)
-    return float(replicas.max())
+    replicas: list[list[int]] = [[] for _ in range(n // c)]
+    loads = np.zeros(n // c)
+    for s in sorted(range(len(lengths)), key=lambda s: (-lengths[s], s)):
+        r = int(np.argmin(loads))
+        replicas[r].append(s)
+        loads[r] += weight(lengths[s], c)
+    return c, replicas
 
 
-def ideal(lengths, n):
-    return sum(MODEL.cost(length, 1) for length in lengths) / n
+def flops_table(args, rng) -> None:
+    print(f"Table 1 - FLOPs model (hidden {MODEL.hidden_size}, {MODEL.num_layers} layers), cap "
+          f"{CAP} tokens/rank, {args.samples} samples per global batch, {args.seeds} batches "
+          "per row (mean, min)")
+    header = (f"{'batch':<9} {'N':>4} | {'ours eff':>8} {'min':>5} {'enl':>5} {'mbs':>4} "
+              f"{'peak':>4} {'max s':>5} | {'upstream eff':>12} {'peak':>6} {'max s':>5} | "
+              f"{'dp_bal eff':>10}")
+    print(header)
+    print("-" * len(header))
+    for name in ("lognormal", "long_tail"):
+        for n in (8, 16, 64, 256):
+            rows = []
+            for _ in range(args.seeds):
+                lengths = (lognormal(rng, args.samples) if name == "lognormal"
+                           else long_tail(rng, args.samples, n))
+                ideal = sum(MODEL.cost(x, 1) for x in lengths) / n
+                t0 = time.perf_counter()
+                plan = schedule(lengths, n, CAP, workload=MODEL)
+                ours_s = time.perf_counter() - t0
+                s = plan.summary
+                up, up_peak, up_s = upstream(lengths, n, MODEL)
+                c, replicas = dp_balanced(lengths, n, MODEL.cost)
+                dp = max(sum(MODEL.cost(lengths[i], c) for i in r) for r in replicas)
+                rows.append((s["efficiency"], s["enlarged_token_fraction"], s["micro_batches"],
+                             s["peak_tokens_per_rank"], ours_s, ideal / up, up_peak, up_s,
+                             ideal / dp))
+            r = np.array(rows)
+            print(f"{name:<9} {n:>4} | {r[:, 0].mean():>8.3f} {r[:, 0].min():>5.3f} "
+                  f"{r[:, 1].mean():>5.2f} {r[:, 2].mean():>4.0f} {r[:, 3].max():>4.0f} "
+                  f"{r[:, 4].max():>5.2f} | {r[:, 5].mean():>12.3f} {r[:, 6].max():>6.0f} "
+                  f"{r[:, 7].max():>5.2f} | {r[:, 8].mean():>10.3f}")
+
+
+def projection_table(args, rng) -> None:
+    print()
+    print("Table 2 - projected step, dp_balanced / ours (ours scheduled with hardware=); "
+          "upstream DCP lengths, cap 512")
+    cases = [(4, 32), (8, 2048), (64, 2048), (256, 2048)]  # (N, samples); N=4, 32: the test
+    header = f"{'model':<12} {'N':>4} {'samples':>7} {'static CP':>9} | " + " ".join(
+        f"{k:>8}" for k in HARDWARE)
+    print(header)
+    print("-" * len(header))
+    for label, model in (("hidden 512", MODEL), ("8B-like", LARGE)):
+        for n, count in cases:
+            ratios = {k: [] for k in HARDWARE}
+            for _ in range(args.seeds):
+                lengths = lognormal(rng, count)
+                for key, hw in HARDWARE.items():
+                    plan = schedule(lengths, n, CAP, workload=model, hardware=hw)
+                    ours = plan_seconds(plan, lengths, model, hw)
+                    c, replicas = dp_balanced(
+                        lengths, n, functools.partial(projected_seconds, model, hw=hw))
+                    static = static_cp_seconds(replicas, lengths, c, model, hw)
+                    ratios[key].append(static / ours)
+            print(f"{label:<12} {n:>4} {count:>7} {c:>9} | " + " ".join(
+                f"{np.mean(v):>7.2f}x" for v in ratios.values()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
-    print(f"FLOPs model: hidden {MODEL.hidden_size}, cap {CAP} tokens/rank, "
-          f"{args.samples} samples per global batch")
-    header = (f"{'batch':<10} {'N':>4} | {'ours eff':>8} {'mbs':>4} {'peak':>5} {'s':>6} | "
-              f"{'upstream eff':>12} {'mbs':>4} {'peak':>6} {'s':>6} | {'dp_bal eff':>10} | "
-              f"{'ours vs dp_bal':>14}")
-    print(header)
-    print("-" * len(header))
-    for name in ("lognormal", "long_tail"):
-        for n in (8, 16, 64, 256):
-            lengths = lognormal(rng, args.samples) if name == "lognormal" else long_tail(
-                rng, args.samples, n)
-            best = ideal(lengths, n)
-            t0 = time.perf_counter()
-            plan = schedule(lengths, n, CAP, workload=MODEL)
-            ours_s = time.perf_counter() - t0
-            ours = plan.summary
-            up, up_peak, up_mbs, up_s = upstream_makespan(lengths, n)
-            dp = dp_balanced_makespan(lengths, n)
-            print(f"{name:<10} {n:>4} | {ours['efficiency']:>8.3f} {ours['micro_batches']:>4} "
-                  f"{ours['peak_tokens_per_rank']:>5} {ours_s:>6.2f} | {best / up:>12.3f} "
-                  f"{up_mbs:>4} {up_peak:>6} {up_s:>6.2f} | {best / dp:>10.3f} | "
-                  f"{dp / ours['makespan']:>13.2f}x")
+    flops_table(args, rng)
+    projection_table(args, rng)
 
 
 if __name__ == "__main__":

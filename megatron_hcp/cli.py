@@ -137,6 +137,7 @@ def _patch_fork(args: argparse.Namespace) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
+    from .dynamic_cp.projection import Hardware, plan_seconds
     from .dynamic_cp.scheduler import schedule
     from .dynamic_cp.workload import GPTWorkload, ScheduleError
 
@@ -147,9 +148,15 @@ def _schedule(args: argparse.Namespace) -> int:
             raise ScheduleError(f"{args.lengths} must hold a JSON list of sequence lengths")
         workload = GPTWorkload(num_layers=args.layers, hidden_size=args.hidden,
                                ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-                               num_query_groups=args.kv_heads, mode=args.cost)
+                               num_query_groups=args.kv_heads, gated_mlp=args.gated_mlp,
+                               mode=args.cost)
+        hardware = None
+        if args.link_gbps is not None:
+            hardware = Hardware(flops_per_second=args.tflops * 1e12,
+                                bytes_per_second=args.link_gbps * 1e9,
+                                latency_seconds=args.link_latency_us * 1e-6)
         plan = schedule(lengths, args.dp_cp, args.max_seqlen_per_rank, workload=workload,
-                        min_cp_size=args.min_cp_size, vpp=args.vpp)
+                        min_cp_size=args.min_cp_size, vpp=args.vpp, hardware=hardware)
     except (ScheduleError, OSError, ValueError) as err:
         print(f"cannot schedule: {err}", file=sys.stderr)
         return 2
@@ -164,7 +171,10 @@ def _schedule(args: argparse.Namespace) -> int:
     print(f"{s['micro_batches']} micro-batches, efficiency {s['efficiency']:.3f} "
           f"(makespan {s['makespan']:.4g}, ideal {s['ideal']:.4g}), idle rank-slots "
           f"{s['idle_rank_slots']}, peak tokens per rank {s['peak_tokens_per_rank']} / cap "
-          f"{s['cap']}")
+          f"{s['cap']}, tokens on a larger group than needed "
+          f"{100 * s['enlarged_token_fraction']:.1f} %")
+    if hardware is not None:
+        print(f"projected step {plan_seconds(plan, lengths, workload, hardware) * 1e3:.3f} ms")
     for j, mb in enumerate(s["per_micro_batch"]):
         print(f"  micro-batch {j}: max {mb['max']:.4g} mean {mb['mean']:.4g}")
     for note in plan.notes:
@@ -252,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (3 matmuls)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="rank plans by projected step time: CP link GB/s (with --tflops, "
+                        "--link-latency-us); default: FLOPs makespan")
+    p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per rank")
     p.add_argument("--lengths", required=True, help="JSON file: a list of sequence lengths")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a Gantt chart (PNG)")

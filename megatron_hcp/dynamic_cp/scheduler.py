@@ -4,33 +4,56 @@ Every micro-batch partitions the ``N`` DPxCP ranks into contiguous, aligned powe
 (the dynamic CP groups); each block runs some sequences, each split over the whole block. A
 micro-batch ends in a barrier, so a step costs the sum over micro-batches of the slowest rank.
 
-Algorithm (deterministic, vectorised with numpy):
+Algorithm (deterministic; no hashing, no randomness):
 
-1. every sequence gets the smallest power-of-two group (>= ``min_cp_size``) whose ranks hold at
-   most ``cap`` tokens (:func:`~.workload.min_group_size`);
-2. the micro-batch count starts at a lower bound (token capacity; rank slots of sequences that
-   fill more than half a rank) rounded up to a multiple of the VPP size, and grows only when a
-   sequence finds no legal place;
-3. a sequence heavier per rank than the ideal level ``total work / (N * M)`` is spread over the
-   smallest larger group that brings it under that level;
-4. sequences, largest total work first, go to the legal block (free, or already a group of the
-   same size with room under the cap) that raises its micro-batch's slowest rank the least,
-   then the least loaded such block;
-5. ranks left idle are absorbed by doubling a neighbouring group into its idle buddy block
-   (its sequences are then split over twice the ranks); any idle rank that remains is reported.
+1. every sequence gets its smallest legal group: the smallest power of two (>= ``min_cp_size``)
+   whose ranks hold at most ``cap`` tokens (:func:`~.workload.min_group_size`);
+2. for a target count ``M`` (from the token-capacity bound upwards), micro-batches are built
+   one at a time at the level ``work left / (N * micro-batches left)`` per rank:
+
+   a. *cover*: the heaviest sequences left (per rank, at their smallest group) each get a block
+      until the N ranks are used up; a sequence heavier than the level by more than the spread
+      rule's slack is spread over a larger group first; blocks are allotted largest first, so
+      the aligned power-of-two blocks never fragment;
+   b. *fill*: each block's gap up to the level (and its ranks' token room under the cap) takes
+      the costliest sequence left that fits, repeatedly (sequences whose smallest group is at
+      most the block's size; a bisection per size class);
+   c. the last planned micro-batch tries a few levels above the even share and keeps the
+      cheapest complete tail;
+   d. ranks left without a sequence (only when the batch runs out) get work: the groups of the
+      smallest aligned block around an idle rank merge into one group over the block (cap
+      permitting); ranks stay idle, and are reported, only when no such merge exists;
+
+3. of the candidates (counts ``M``, three spread rules) the plan with the smallest makespan
+   wins. The FLOPs model treats splitting a sequence over more ranks as free (whole-world groups
+   would always look perfectly balanced), so in FLOPs mode the plan with the least splitting
+   (token-weighted group size) is taken among those within 1 % of the best makespan; given
+   ``hardware``, the makespan is the projected step time including the exposed CP ring traffic
+   (:mod:`.projection`), which prices splitting itself. With VPP the count is a multiple of
+   ``k`` (padded with empty micro-batches, reported, only when no candidate reaches one).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .projection import Hardware, projected_seconds
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
 __all__ = ["Group", "MicroBatch", "Plan", "schedule"]
+
+# spread rules tried: (slack over the level, capped at a token-full rank's cost)
+_SPREAD_RULES = ((1.5, True), (2.0, False), (math.inf, True))
+# FLOPs mode: among plans within this share of the best makespan, the least splitting wins
+_MAKESPAN_TOLERANCE = 0.01
+_LAST_LEVEL_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2)
+_EXTRA_MICRO_BATCHES = 4  # candidates above the token-capacity bound that are tried
 
 
 @dataclass(frozen=True)
@@ -85,61 +108,196 @@ def _check_inputs(lengths, n, cap, min_cp_size, vpp) -> None:
         raise ScheduleError(f"samples {bad[:5]} have length < 1")
 
 
-def _place(order, sizes, work, tokens, n, m, cap):
-    """Greedy placement into ``m`` micro-batches; None if some sample has no legal place."""
-    load = np.zeros((m, n))
-    tok = np.zeros((m, n), dtype=np.int64)
-    gsz = np.zeros((m, n), dtype=np.int64)
-    where: list[tuple[int, int, int]] = [(-1, -1, -1)] * len(sizes)
-    for s in order:
-        c, w, t = sizes[s], work[s], tokens[s]
-        blocks = n // c
-        g = gsz.reshape(m, blocks, c)
-        legal = ((g == 0).all(-1) | (g == c).all(-1)) & (
-            tok.reshape(m, blocks, c).max(-1) + t <= cap)
-        if not legal.any():
+class _Pool:
+    """Unplaced sequences by minimum group size; each class sorted by total cost, ascending."""
+
+    def __init__(self, ids: Sequence[int], total: Sequence[float], c0: Sequence[int]):
+        self.cost: dict[int, list[float]] = {}
+        self.ids: dict[int, list[int]] = {}
+        for s in sorted(ids, key=lambda s: (total[s], s)):
+            self.cost.setdefault(c0[s], []).append(total[s])
+            self.ids.setdefault(c0[s], []).append(s)
+        self.sizes = sorted(self.cost)
+        self.count = len(ids)
+        self.cover_from = 0  # position in the covering order before which all are placed
+
+    def copy(self) -> _Pool:
+        other = object.__new__(_Pool)
+        other.cost = {c: list(v) for c, v in self.cost.items()}
+        other.ids = {c: list(v) for c, v in self.ids.items()}
+        other.sizes, other.count, other.cover_from = self.sizes, self.count, self.cover_from
+        return other
+
+    def take_largest(self, max_size: int, limit: float) -> int | None:
+        """Remove the costliest sequence with min size <= ``max_size`` and cost <= ``limit``."""
+        best_c, best_i, best = -1, -1, -1.0
+        for c in self.sizes:
+            if c > max_size:
+                break
+            costs = self.cost[c]
+            i = bisect_right(costs, limit) - 1
+            if i >= 0 and costs[i] > best:
+                best_c, best_i, best = c, i, costs[i]
+        if best_c < 0:
             return None
-        new = load.reshape(m, blocks, c).max(-1) + w
-        mb_max = load.max(1)[:, None]
-        raise_by = np.maximum(mb_max, new) - mb_max
-        cand = np.flatnonzero(legal.ravel())
-        best = cand[np.lexsort((cand, new.ravel()[cand], raise_by.ravel()[cand]))[0]]
-        j, b = divmod(int(best), blocks)
-        span = slice(b * c, (b + 1) * c)
-        load[j, span] += w
-        tok[j, span] += t
-        gsz[j, span] = c
-        where[s] = (j, b * c, c)
-    return where, gsz
+        self.count -= 1
+        self.cost[best_c].pop(best_i)
+        return self.ids[best_c].pop(best_i)
+
+    def remove(self, s: int, cost: float, size: int) -> None:
+        costs, ids = self.cost[size], self.ids[size]
+        i = bisect_left(costs, cost)
+        while ids[i] != s:
+            i += 1
+        costs.pop(i)
+        ids.pop(i)
+        self.count -= 1
 
 
-def _spread(length: int, size: int, level: float, n: int, cost) -> int:
-    """Smallest power-of-two group >= ``size`` whose per-rank cost is <= ``level``."""
-    while size < n and cost(length, size) > level:
-        size *= 2
-    return size
+@dataclass
+class _Block:
+    start: int
+    size: int
+    load: float  # per-rank cost
+    tokens: int  # per-rank tokens
+    samples: list[int]
 
 
-def _absorb_idle(groups: dict, n: int) -> tuple[int, ...]:
-    """Double groups into idle buddy blocks (repeatedly); returns the remaining idle ranks."""
-    changed = True
-    while changed:
-        changed = False
-        used = np.zeros(n, dtype=bool)
-        for (start, size) in groups:
-            used[start:start + size] = True
-        for (start, size) in sorted(groups, key=lambda k: (-k[1], k[0])):
-            buddy = start ^ size
-            if buddy + size > n or used[buddy:buddy + size].any():
+class _Packer:
+    """Builds micro-batches one at a time at a given per-rank cost level."""
+
+    def __init__(self, lengths, n, cap, total, c0, cost1, rule):
+        self.lengths, self.n, self.cap, self.rule = lengths, n, cap, rule
+        self.total, self.c0, self.cost1 = total, c0, cost1
+        # covering order: heaviest per rank at the minimum group size first
+        self.order = sorted(range(len(lengths)), key=lambda s: (-total[s] / c0[s], s))
+        self.full_rank = cost1(cap)
+
+    def run(self, m: int, mb_score, budget: float = math.inf) -> list | None:
+        """Pack everything aiming at ``m`` micro-batches (more if the rest does not fit).
+
+        Each micro-batch's level is the work left over the micro-batches left; the last one
+        tries a few levels above that and keeps the cheapest complete tail. Returns None as
+        soon as the summed ``mb_score`` exceeds ``budget`` (the plan could not win).
+        """
+        pool = _Pool(range(len(self.lengths)), self.total, self.c0)
+        taken = [False] * len(self.lengths)
+        remaining = float(sum(self.total))
+        out: list = []
+        spent = 0.0
+        while pool.count and m - len(out) > 1:
+            level = remaining / (self.n * (m - len(out)))
+            groups, idle, peak, work = self._micro_batch(pool, taken, level)
+            remaining -= work
+            out.append((groups, idle, peak))
+            spent += mb_score(groups, peak)
+            if spent > budget:
+                return None
+        best = None
+        for factor in _LAST_LEVEL_FACTORS if pool.count else ():
+            tail = self._tail(pool.copy(), taken[:], remaining, factor)
+            cost = sum(mb_score(groups, peak) for groups, _, peak in tail)
+            if best is None or cost < best[0]:
+                best = (cost, tail)
+            if len(tail) > 2:  # a long overflow: higher levels cannot make it one micro-batch
+                break
+        if best and spent + best[0] > budget:
+            return None
+        return out + (best[1] if best else [])
+
+    def _tail(self, pool: _Pool, taken: list[bool], remaining: float, factor: float) -> list:
+        out = []
+        while pool.count:
+            groups, idle, peak, work = self._micro_batch(
+                pool, taken, remaining / self.n * (factor if not out else 1.0))
+            remaining -= work
+            out.append((groups, idle, peak))
+        return out
+
+    def _fits(self, samples: list[int], size: int) -> bool:
+        return sum(tokens_per_rank(self.lengths[s], size) for s in samples) <= self.cap
+
+    def _micro_batch(self, pool: _Pool, taken: list[bool], level: float):
+        n, total, c0 = self.n, self.total, self.c0
+        # a sequence heavier than the level is spread over more ranks only when it exceeds the
+        # level by the rule's slack (capped: or what a rank full of tokens costs - ranks bound
+        # by the cap could not catch up with it)
+        slack, capped = self.rule
+        spread_above = level * slack
+        if capped:
+            spread_above = min(spread_above, max(level, self.full_rank))
+        free, cover, order = n, [], self.order
+        while pool.cover_from < len(order) and taken[order[pool.cover_from]]:
+            pool.cover_from += 1
+        for i in range(pool.cover_from, len(order)):  # 1. cover with the heaviest left
+            s = order[i]
+            if taken[s]:
                 continue
-            samples = groups.pop((start, size))
-            groups[(min(start, buddy), 2 * size)] = samples
-            changed = True
-            break
-    used = np.zeros(n, dtype=bool)
-    for (start, size) in groups:
-        used[start:start + size] = True
-    return tuple(int(r) for r in np.flatnonzero(~used))
+            c = c0[s]
+            while c < n and total[s] / c > spread_above:
+                c *= 2  # heavier than the level: spread it over more ranks
+            if c <= free:
+                cover.append((c, s))
+                free -= c
+                if not free:
+                    break
+        blocks, start = [], 0
+        for c, s in sorted(cover, key=lambda x: (-x[0], x[1])):  # buddy order: no fragments
+            taken[s] = True
+            pool.remove(s, total[s], c0[s])
+            blocks.append(_Block(start, c, total[s] / c, tokens_per_rank(self.lengths[s], c),
+                                 [s]))
+            start += c
+        level = max([level] + [b.load for b in blocks])
+        # 2. fill every block's gap with the costliest sequence that still fits (cost, cap)
+        for b in sorted(blocks, key=lambda b: (-(level - b.load) * b.size, b.start)):
+            while pool.count:
+                room = self.cap - b.tokens
+                longest = (room // 2) * 2 * b.size
+                if longest < 1:
+                    break
+                limit = min((level - b.load) * b.size * (1 + 1e-12), self.cost1(longest))
+                s = pool.take_largest(b.size, limit)
+                if s is None:
+                    break
+                taken[s] = True
+                b.samples.append(s)
+                b.load += total[s] / b.size
+                b.tokens += tokens_per_rank(self.lengths[s], b.size)
+        work = sum(total[s] for b in blocks for s in b.samples)
+        groups = {(b.start, b.size): b.samples for b in blocks}
+        idle = _absorb_idle(groups, n, self._fits) if free else ()
+        peak = max(sum(total[s] for s in samples) / size
+                   for (_, size), samples in groups.items())
+        return groups, idle, peak, work
+
+def _absorb_idle(groups: dict, n: int, fits=None) -> tuple[int, ...]:
+    """Give idle ranks work; returns the ranks that stay idle (no legal merge exists).
+
+    Bottom-up over aligned blocks (size 2, 4, ... N): a block with idle ranks and some groups
+    becomes one group over the whole block holding all their sequences (split over more ranks:
+    the per-rank load never rises). ``fits(samples, size)`` vetoes merges that would break the
+    token cap.
+    """
+    owner: list = [None] * n
+    for key in groups:
+        start, size = key
+        owner[start:start + size] = [key] * size
+    size = 2
+    while size <= n:
+        for start in range(0, n, size):
+            block = owner[start:start + size]
+            if None not in block:
+                continue
+            keys = list(dict.fromkeys(k for k in block if k is not None))
+            samples = [s for k in keys for s in groups[k]]
+            if keys and (fits is None or fits(samples, size)):
+                for k in keys:
+                    del groups[k]
+                groups[(start, size)] = samples
+                owner[start:start + size] = [(start, size)] * size
+        size *= 2
+    return tuple(r for r in range(n) if owner[r] is None)
 
 
 def schedule(
@@ -150,72 +308,95 @@ def schedule(
     workload: GPTWorkload | None = None,
     min_cp_size: int = 1,
     vpp: int = 1,
+    hardware: Hardware | None = None,
 ) -> Plan:
-    """Schedule the global batch ``lengths`` (sample id = position) on ``dp_cp`` ranks."""
+    """Schedule the global batch ``lengths`` (sample id = position) on ``dp_cp`` ranks.
+
+    ``hardware`` (optional): rank candidate plans by projected seconds (compute plus exposed
+    CP ring traffic) instead of FLOPs makespan; needs ``workload.mode == "flops"``.
+    """
     lengths = [int(x) for x in lengths]
     n, cap = int(dp_cp), int(max_seqlen_per_rank)
     _check_inputs(lengths, n, cap, min_cp_size, vpp)
     model = workload or GPTWorkload()
-    sizes = [min_group_size(length, cap, n, min_cp_size) for length in lengths]
-    work = [model.cost(length, c) for length, c in zip(lengths, sizes)]
-    tokens = [tokens_per_rank(length, c) for length, c in zip(lengths, sizes)]
-    order = sorted(range(len(lengths)), key=lambda s: (-work[s] * sizes[s], s))
-    # lower bounds: token capacity, and rank slots of sequences that fill more than half a
-    # rank's cap (two of them never share a rank)
-    m = max(1, math.ceil(sum(t * c for t, c in zip(tokens, sizes)) / (n * cap)),
-            math.ceil(sum(c for t, c in zip(tokens, sizes) if 2 * t > cap) / n))
-    m = -(-m // vpp) * vpp
-    total = sum(w * c for w, c in zip(work, sizes))
-    while True:
-        # a sequence heavier per rank than the ideal level T would set its micro-batch's pace:
-        # spread it over a larger group (fewer tokens and less work per rank)
-        level = total / (n * m)
-        spread = [_spread(length, c, level, n, model.cost) for length, c in zip(lengths, sizes)]
-        placed = _place(order, spread,
-                        [model.cost(length, c) for length, c in zip(lengths, spread)],
-                        [tokens_per_rank(length, c) for length, c in zip(lengths, spread)],
-                        n, m, cap)
-        if placed is not None:
-            break
-        m += vpp
-    where, _ = placed
-    per_mb: list[dict] = [{} for _ in range(m)]
-    for s, (j, start, size) in enumerate(where):
-        per_mb[j].setdefault((start, size), []).append(s)
-    empty = [j for j, groups in enumerate(per_mb) if not groups]
-    drop = set(empty[: len(empty) // vpp * vpp])  # keep the count a multiple of vpp
-    per_mb = [groups for j, groups in enumerate(per_mb) if j not in drop]
-    m = len(per_mb)
-    notes = []
-    micro_batches = []
-    for j, groups in enumerate(per_mb):
-        idle = _absorb_idle(groups, n)
+    if hardware is not None and model.mode != "flops":
+        raise ScheduleError(f"hardware= needs the flops cost model, not mode={model.mode!r}")
+    c0 = [min_group_size(length, cap, n, min_cp_size) for length in lengths]
+    total = [model.cost(length, 1) for length in lengths]  # cost(L, c) == cost(L, 1) / c
+    cost1 = functools.lru_cache(maxsize=None)(lambda length: model.cost(length, 1))
+
+    def mb_score(groups: dict, peak: float) -> float:
+        if hardware is None:
+            return peak
+        return max((sum(projected_seconds(model, lengths[s], size, hardware) for s in v)
+                    for (_, size), v in groups.items()), default=0.0)
+
+    def splitting(mbs) -> float:  # token-weighted group size
+        return sum(lengths[s] * size for groups, _, _ in mbs
+                   for (_, size), v in groups.items() for s in v)
+
+    # lower bound on the micro-batch count: token capacity of N ranks
+    m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))
+                            / (n * cap)))
+    counts = sorted({-(-m // vpp) * vpp for m in range(m_lo, m_lo + _EXTRA_MICRO_BATCHES + 1)})
+    tolerance = 0.0 if hardware else _MAKESPAN_TOLERANCE
+    candidates, budget = [], math.inf  # budget: what a plan may score and still be chosen
+    for rule in _SPREAD_RULES:
+        packer = _Packer(lengths, n, cap, total, c0, cost1, rule)
+        for m in counts:
+            mbs = packer.run(m, mb_score, budget)
+            if mbs is None:
+                continue
+            pad = -len(mbs) % vpp
+            score = sum(mb_score(groups, peak) for groups, _, peak in mbs)
+            candidates.append((pad > 0, score, splitting(mbs), len(mbs) + pad, mbs, pad))
+            if not pad:
+                budget = min(budget, score * (1 + tolerance))
+    fewest_pads = min(c[0] for c in candidates)
+    candidates = [c for c in candidates if c[0] == fewest_pads]
+    bound = min(c[1] for c in candidates) * (1 + tolerance)
+    _, _, _, _, mbs, pad = min((c for c in candidates if c[1] <= bound),
+                               key=lambda c: (c[2], c[1], c[3]))
+    mbs = mbs + [({}, tuple(range(n)), 0.0)] * pad  # fewer sequences than VPP needs
+    notes, micro_batches = [], []
+    for j, (groups, idle, _) in enumerate(mbs):
         if idle:
             notes.append(
                 f"micro-batch {j}: ranks {list(idle)} idle: no sequence can be placed there "
-                f"(the batch has {len(lengths)} sequences for {m} micro-batches of {n} ranks)"
+                f"(the batch has {len(lengths)} sequences for {len(mbs)} micro-batches of {n} "
+                "ranks)"
             )
         micro_batches.append(MicroBatch(
             tuple(Group(tuple(range(st, st + sz)), tuple(sorted(v)))
-                  for (st, sz), v in sorted(groups.items())), idle))
+                  for (st, sz), v in sorted(groups.items())), tuple(idle)))
     plan = Plan(tuple(micro_batches), tuple(notes))
-    object.__setattr__(plan, "summary", summarize(plan, lengths, n, cap, model))
+    object.__setattr__(plan, "summary", summarize(plan, lengths, n, cap, model, min_cp_size))
     return plan
 
 
 def summarize(plan: Plan, lengths: Sequence[int], n: int, cap: int,
-              workload: GPTWorkload) -> dict:
-    """Makespan, efficiency (ideal / makespan), per-micro-batch max/mean, idle slots, tokens."""
+              workload: GPTWorkload, min_cp_size: int = 1) -> dict:
+    """Makespan, efficiency (ideal / makespan), per-micro-batch max/mean, idle slots, tokens.
+
+    ``enlarged_token_fraction``: share of all tokens whose sequence runs on a larger group than
+    the smallest legal one (more CP communication than needed); ``mean_group_size`` /
+    ``mean_min_group_size``: token-weighted group size chosen / smallest legal.
+    """
     ideal_total = 0.0
     makespan = 0.0
     per_mb = []
     peak_tokens = 0
+    enlarged = weighted = weighted_min = 0
     for mb in plan.micro_batches:
         load = np.zeros(n)
         tok = np.zeros(n, dtype=np.int64)
         for g in mb.groups:
             c = len(g.ranks)
             for s in g.samples:
+                least = min_group_size(lengths[s], cap, n, min_cp_size)
+                enlarged += lengths[s] if c > least else 0
+                weighted += lengths[s] * c
+                weighted_min += lengths[s] * least
                 load[g.ranks[0]:g.ranks[-1] + 1] += workload.cost(lengths[s], c)
                 tok[g.ranks[0]:g.ranks[-1] + 1] += tokens_per_rank(lengths[s], c)
                 ideal_total += workload.cost(lengths[s], c) * c
@@ -232,4 +413,7 @@ def summarize(plan: Plan, lengths: Sequence[int], n: int, cap: int,
         "idle_rank_slots": sum(len(mb.idle_ranks) for mb in plan.micro_batches),
         "peak_tokens_per_rank": peak_tokens,
         "cap": cap,
+        "enlarged_token_fraction": enlarged / max(1, sum(lengths)),
+        "mean_group_size": weighted / max(1, sum(lengths)),
+        "mean_min_group_size": weighted_min / max(1, sum(lengths)),
     }

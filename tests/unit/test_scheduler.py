@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_hcp.dynamic_cp.projection import Hardware, plan_seconds
 from megatron_hcp.dynamic_cp.scheduler import schedule
 from megatron_hcp.dynamic_cp.workload import (
     GPTWorkload,
@@ -33,11 +35,25 @@ def batches(draw):
     return lengths, n, cap, min_cp, vpp
 
 
+def _merge_fits(lengths, groups, r, cap, n):
+    """Could the groups of some aligned block around idle rank r merge under the cap?"""
+    size = 2
+    while size <= n:
+        start = r - r % size
+        inside = [g for g in groups if start <= g.ranks[0] < start + size]
+        if inside and sum(tokens_per_rank(lengths[s], size)
+                          for g in inside for s in g.samples) <= cap:
+            return True
+        size *= 2
+    return False
+
+
 @settings(max_examples=250, deadline=None)
-@given(batch=batches())
-def test_invariants(batch):
+@given(batch=batches(), priced=st.booleans())
+def test_invariants(batch, priced):
     lengths, n, cap, min_cp, vpp = batch
-    plan = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
+    plan = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp,
+                    hardware=Hardware() if priced else None)
     seen = []
     assert len(plan.micro_batches) % vpp == 0
     for mb in plan.micro_batches:
@@ -58,6 +74,8 @@ def test_invariants(batch):
         if mb.idle_ranks:
             assert any(f"micro-batch {plan.micro_batches.index(mb)}" in note
                        for note in plan.notes)
+            # idle only when no legal assignment exists: no merge around the rank fits
+            assert not any(_merge_fits(lengths, mb.groups, r, cap, n) for r in mb.idle_ranks)
     assert sorted(seen) == list(range(len(lengths)))  # every sample exactly once
     s = plan.summary
     assert 0 < s["efficiency"] <= 1.0 + 1e-9
@@ -71,6 +89,44 @@ def test_deterministic(batch):
     a = schedule(lengths, n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
     b = schedule(list(lengths), n, cap, workload=MODEL, min_cp_size=min_cp, vpp=vpp)
     assert a.to_json() == b.to_json()
+
+
+def _lognormal(seed, count=2048, mean=512, sigma=1.2, lo=128, hi=2048):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, count), lo, hi).astype(
+        int).tolist()
+
+
+@pytest.mark.parametrize("n, target", [(64, 0.97), (256, 0.95)])
+def test_balance_on_upstreams_dcp_lengths(n, target):
+    """The issue's efficiency targets on one seeded batch (FLOPs model, cap respected)."""
+    model = GPTWorkload(num_layers=12, hidden_size=512, num_attention_heads=8)
+    plan = schedule(_lognormal(n), n, 512, workload=model)
+    assert plan.summary["efficiency"] >= target
+    assert plan.summary["peak_tokens_per_rank"] <= 512 and not plan.notes
+
+
+def test_flops_mode_does_not_split_what_needs_no_splitting():
+    """Whole-world groups look perfectly balanced to the FLOPs model: ties go to less splitting."""
+    plan = schedule([64] * 16, 8, 64, workload=MODEL)
+    assert [len(g.ranks) for mb in plan.micro_batches for g in mb.groups] == [1] * 16
+    assert plan.summary["enlarged_token_fraction"] == 0
+
+
+def test_pricing_the_ring_splits_less_and_projects_faster():
+    model = GPTWorkload(num_layers=12, hidden_size=512, num_attention_heads=8)
+    lengths = _lognormal(3, count=512)
+    hw = Hardware(bytes_per_second=25e9, latency_seconds=15e-6)
+    flops = schedule(lengths, 16, 512, workload=model)
+    priced = schedule(lengths, 16, 512, workload=model, hardware=hw)
+    # the same candidates, ranked by projected seconds instead: a different, faster plan
+    assert plan_seconds(priced, lengths, model, hw) < 0.99 * plan_seconds(flops, lengths,
+                                                                          model, hw)
+
+
+def test_hardware_needs_the_flops_model():
+    with pytest.raises(ScheduleError, match="mode='seq_squared'"):
+        schedule([10, 20], 2, 64, workload=GPTWorkload(mode="seq_squared"), hardware=Hardware())
 
 
 def test_same_plan_under_any_hash_seed():
@@ -193,3 +249,26 @@ def test_vpp_alignment_never_wraps_around(vpp):
     assert len(plan.micro_batches) % vpp == 0
     seen = [s for mb in plan.micro_batches for g in mb.groups for s in g.samples]
     assert sorted(seen) == list(range(len(lengths)))  # no sample counted twice or lost
+
+
+def test_the_packing_cap_holds_where_upstreams_scheduler_breaks_it():
+    """megatron-core 0.16.1's BalancedCPScheduler plans past max_seqlen_per_dp_cp_rank."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    class _Group:
+        def size(self):
+            return 16
+
+    lengths, cap = _lognormal(5, count=256), 512
+    _, per_micro_batch = BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
+        list(enumerate(lengths)), None)
+    peak = 0
+    for per_rank in per_micro_batch:
+        holders: dict[int, int] = {}
+        for ids in per_rank:
+            for s in ids:
+                holders[s] = holders.get(s, 0) + 1
+        peak = max(peak, max(sum(tokens_per_rank(lengths[s], holders[s]) for s in ids)
+                             for ids in per_rank))
+    assert peak > cap  # upstream
+    assert schedule(lengths, 16, cap, workload=MODEL).summary["peak_tokens_per_rank"] <= cap
