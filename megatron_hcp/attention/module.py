@@ -29,6 +29,7 @@ __all__ = [
     "have_te",
     "make_te_forward",
     "make_te_init",
+    "rebind_te_cp_groups",
     "te_cp_attention_class",
 ]
 
@@ -167,6 +168,21 @@ def _apply_te_groups(module: Any, groups: CPGroups) -> None:
     module.set_context_parallel_group(
         kw["cp_group"], kw["cp_global_ranks"], kw["cp_stream"], kw["cp_comm_type"]
     )
+
+
+def rebind_te_cp_groups(module: Any, pg_collection: Any, context_parallel_size: int,
+                        cp_comm_type: str) -> CPGroups:
+    """Give a TE attention module the CP groups of ``pg_collection`` (hcp for a2a+p2p).
+
+    For code that rebinds TE modules itself (Megatron-Bridge hands TE the flat CP group):
+    the groups are resolved by :func:`resolve_cp_groups`, handed to TE, and remembered for the
+    dynamic-CP restore of the ``te-attention-hcp`` patch.
+    """
+    groups = resolve_cp_groups(context_parallel_size, cp_comm_type, pg_collection)
+    _apply_te_groups(module, groups)
+    if hasattr(module, "_cp_resolution"):
+        module._cp_resolution = (pg_collection, cp_comm_type, groups)
+    return groups
 
 
 def make_te_init(original_init):

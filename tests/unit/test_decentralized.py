@@ -27,7 +27,27 @@ def _members(group):
     return dist.get_process_group_ranks(group) if group is not None else None
 
 
-def compare_with_mpu(tp, cp, pp, hcp):
+def _hooked_collection(tp, cp, pp, hcp):
+    """Through megatron_hcp's hook around (a stand-in of) Bridge's _create_pg_collection."""
+    from types import SimpleNamespace
+
+    from megatron_hcp.bridge.hook import install
+
+    from . import _bridge_standin as standin
+
+    mods = standin.install_standin()
+    install()
+    cfg = SimpleNamespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=hcp,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    try:
+        return mods["initialize"]._create_pg_collection(cfg, 1)
+    finally:
+        standin.remove_standin()
+
+
+def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
     from megatron.core import parallel_state as ps
 
     from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
@@ -42,7 +62,8 @@ def compare_with_mpu(tp, cp, pp, hcp):
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        ours = create_pg_collection(_config(tp, cp, pp, hcp))
+        ours = (_hooked_collection(tp, cp, pp, hcp) if via_bridge_hook
+                else create_pg_collection(_config(tp, cp, pp, hcp)))
     finally:
         log.removeHandler(handler)
     initialize_model_parallel(_config(tp, cp, pp, hcp), create_gloo_process_groups=False)
@@ -108,6 +129,68 @@ def test_every_field_equals_the_mpu_path(world, tp, cp, pp, hcp):
         == bool(hcp)
     assert all(not r[1] for r in results[1:])  # logged on the grid's first rank only
     assert ("hcp([" in results[0][2]) == bool(hcp)
+
+
+@pytest.mark.parametrize("tp, cp, pp, hcp", [c for c in CASES if c[3]])
+def test_bridge_hook_collection_equals_the_mpu_path(world, tp, cp, pp, hcp):
+    """Bridge's _create_pg_collection, hooked, returns the same groups as the MPU path."""
+    results = world.run(compare_with_mpu, tp, cp, pp, hcp, True)
+    for rank, (diffs, _, _) in enumerate(results):
+        assert not diffs, (rank, diffs)
+    assert any(line.startswith("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS created")
+               for line in results[0][1])
+
+
+def bridge_rebinding():
+    """Bridge's provide / install_pg_collection hand TE the flat group; the hook restores hcp."""
+    import torch.nn as nn
+
+    from megatron_hcp.bridge.collection import destroy_pg_collection
+    from megatron_hcp.bridge.hook import install, uninstall
+
+    from . import _bridge_standin as standin
+
+    pgc = _hooked_collection(2, 4, 1, [2, 2])
+    want = ([_members(g) for g in pgc.hcp], _members(pgc.cp), "a2a+p2p")
+
+    def seen(model):
+        out = []
+        for m in model.modules():
+            if isinstance(m, standin.RecordingTEAttention):
+                group, ranks, comm = m.calls[-1]
+                members = ([_members(g) for g in group] if isinstance(group, list)
+                           else _members(group))
+                out.append((members, ranks, comm))
+        return out
+
+    mods = standin.install_standin()
+    try:
+        provider = standin.GPTModelProvider(
+            cp_comm_type="a2a+p2p", context_parallel_size=4, _pg_collection=pgc,
+            build=lambda: nn.Sequential(standin.RecordingTEAttention(1),
+                                        standin.RecordingTEAttention(2)))
+        plain = seen(provider.provide())  # Bridge alone: flat group, TE's default comm type
+        install()
+        model = provider.provide()
+        hooked = seen(model)
+        mods["eval_context_parallel_rebinding"].install_pg_collection(model, pgc)
+        rebound = seen(model)
+        uninstall()
+        mods["eval_context_parallel_rebinding"].install_pg_collection(model, pgc)
+        rebound_plain = seen(model)
+    finally:
+        standin.remove_standin()
+        destroy_pg_collection(pgc)
+    return want, plain, hooked, rebound, rebound_plain
+
+
+def test_bridge_hook_gives_te_the_hierarchical_groups_back(world):
+    for want, plain, hooked, rebound, rebound_plain in world.run(bridge_rebinding):
+        flat = (want[1], want[1], "p2p")
+        assert plain == [flat, flat]
+        assert hooked == [want, want]
+        assert rebound == [want, want]
+        assert rebound_plain == [(want[1], want[1], "a2a+p2p")] * 2  # flat group: wrong for TE
 
 
 def two_grids():

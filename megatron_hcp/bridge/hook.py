@@ -1,0 +1,375 @@
+"""Megatron-Bridge hook: hierarchical CP on Bridge's decentralized process-group path.
+
+:func:`install` wraps four Bridge functions (each wrapper keeps the original in ``__wrapped__``
+and carries a marker, so :func:`uninstall` restores exactly what was there; no module state):
+
+* ``training.initialize._create_pg_collection``: a config with
+  ``hierarchical_context_parallel_sizes`` gets :func:`~.collection.create_pg_collection`
+  (validated through :class:`~megatron_hcp.config.CPConfig`, ``hcp`` filled) instead of
+  Bridge's ``NotImplementedError`` (0.4+) or its flat groups with ``hcp=None`` (0.3); every
+  other config goes to Bridge's own function unchanged;
+* ``models.gpt_provider.GPTModelProvider.provide``: with the TE full-layer spec Bridge hands
+  every TE attention module the flat CP group (and TE's default comm type ``p2p``); afterwards
+  the hierarchical groups of the provider's collection are given back;
+* ``training.eval_context_parallel_rebinding.install_pg_collection`` (Bridge 0.5+): the same
+  after the train/eval rebinding of ``eval_cp_context``;
+* ``training.model_load_save.load_megatron_model``: Bridge forces CP=1 and clears
+  ``hierarchical_context_parallel_sizes``. Decision: with CP=1 after ``mp_overrides`` the
+  clearing is right (the sizes are logged as unused); with CP>1 and a2a+p2p the checkpoint's
+  sizes are restored when their product equals the new CP size (logged), else an error names
+  the fix (``mp_overrides={"hierarchical_context_parallel_sizes": [a2a, p2p]}``). The result is
+  validated by ``CPConfig`` either way: the user's HCP settings are never lost silently.
+
+Bridge modules that imported one of these functions by value (e.g. the diffusion pipelines'
+``load_megatron_model``) are rebound too when already imported. The wrapped signatures were
+recorded from Megatron-Bridge's source (v0.4.0-v0.6.0 and main 067f987, 2026-11);
+:func:`install` checks them first and refuses, changing nothing, when they differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ..attention.module import rebind_te_cp_groups
+from ..config import CPConfig, CPConfigError, Violation
+from .collection import create_pg_collection
+
+__all__ = [
+    "BridgeHookError",
+    "BridgeNotInstalledError",
+    "cp_config_from_model_config",
+    "cp_config_from_overrides",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+logger = logging.getLogger("megatron_hcp")
+
+_MARK = "_megatron_hcp_bridge_hook"
+_PKG = "megatron.bridge"
+# (module, attribute path, parameters the wrapper relies on, required)
+_TARGETS = (
+    ("training.initialize", "_create_pg_collection",
+     ("model_config", "num_distributed_optimizer_instances", "get_embedding_ranks",
+      "get_position_embedding_ranks"), True),
+    ("models.gpt_provider", "GPTModelProvider.provide",
+     ("self", "pre_process", "post_process", "vp_stage"), True),
+    ("training.model_load_save", "load_megatron_model",
+     ("checkpoint_path", "model_type", "return_state_dict", "use_cpu_init",
+      "skip_temp_dist_context", "mp_overrides"), True),
+    ("training.eval_context_parallel_rebinding", "install_pg_collection",
+     ("model", "target"), False),
+)
+
+
+class BridgeNotInstalledError(ImportError):
+    """Megatron-Bridge is not importable."""
+
+
+class BridgeHookError(RuntimeError):
+    """The installed Bridge differs from the code the hook was written for."""
+
+
+# ---------------------------------------------------------------------------- configs
+def _uses_a2a_p2p(comm: Any) -> bool:
+    return comm == "a2a+p2p" or (isinstance(comm, (list, tuple)) and "a2a+p2p" in comm)
+
+
+def cp_config_from_model_config(model_config: Any, world_size: int) -> CPConfig:
+    """The CP-relevant fields of a Bridge/megatron model config on ``world_size`` ranks."""
+    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
+    if world_size % (tp * cp * pp):
+        raise CPConfigError([Violation(
+            "context_parallel_size", cp,
+            f"tp*cp*pp={tp * cp * pp} must divide the world size {world_size}",
+            "change tensor/context/pipeline_model_parallel_size or the number of ranks")])
+    sizes = getattr(model_config, "hierarchical_context_parallel_sizes", None)
+    return CPConfig(
+        context_parallel_size=cp,
+        cp_comm_type=getattr(model_config, "cp_comm_type", None),
+        hierarchical_context_parallel_sizes=list(sizes) if sizes is not None else None,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=world_size // (tp * cp * pp),
+        num_attention_heads=getattr(model_config, "num_attention_heads", None),
+        num_query_groups=getattr(model_config, "num_query_groups", None),
+        num_layers=getattr(model_config, "num_layers", None),
+        seq_length=getattr(model_config, "seq_length", None),
+    )
+
+
+def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = None,
+                             ) -> tuple[CPConfig, dict[str, Any]]:
+    """Bridge-style ``section.key=value`` overrides -> validated CPConfig and ``dist`` settings.
+
+    ``model.<field>`` entries that are CPConfig fields are applied onto ``base`` (other model
+    fields are Bridge's business and ignored here); ``dist.*`` entries are returned as a dict.
+    Raises :class:`CPConfigError` (parameter, value, rule, fix) when the result is invalid.
+    """
+    import dataclasses
+
+    from ..config import parse_value
+
+    fields = set(CPConfig.field_names())
+    model_pairs, dist_settings = [], {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        section, _, name = key.strip().lstrip("+").partition(".")
+        if not sep or not name:
+            raise CPConfigError([Violation(item, None, "overrides are section.key=value",
+                                           "write e.g. model.context_parallel_size=4")])
+        if section == "model" and name in fields:
+            model_pairs.append(f"{name}={raw}")
+        elif section == "dist":
+            dist_settings[name] = parse_value(raw)
+    given = CPConfig.from_pairs(model_pairs)
+    changed = {n: getattr(given, n) for n in (p.partition("=")[0] for p in model_pairs)}
+    config = dataclasses.replace(base or CPConfig(), **changed)
+    config.validate()
+    return config, dist_settings
+
+
+# ---------------------------------------------------------------------------- wrappers
+def _make_create_pg_collection(original: Callable, module: Any) -> Callable:
+    accepted = set(inspect.signature(original).parameters)
+
+    @functools.wraps(original)
+    def _create_pg_collection(model_config, num_distributed_optimizer_instances,
+                              get_embedding_ranks=None, get_position_embedding_ranks=None,
+                              world_size=None, rank_offset=None, save_grid=False):
+        if getattr(model_config, "hierarchical_context_parallel_sizes", None) is None:
+            extra = {k: v for k, v in (("world_size", world_size), ("rank_offset", rank_offset),
+                                       ("save_grid", save_grid)) if k in accepted}
+            return original(model_config, num_distributed_optimizer_instances,
+                            get_embedding_ranks=get_embedding_ranks,
+                            get_position_embedding_ranks=get_position_embedding_ranks, **extra)
+        set_default = getattr(module, "_set_moe_expert_tensor_parallel_default", None)
+        if set_default is not None:
+            set_default(model_config)
+        world = world_size if world_size is not None else dist.get_world_size()
+        config = cp_config_from_model_config(model_config, world)
+        problems = []
+        if num_distributed_optimizer_instances > 1:
+            problems.append(Violation(
+                "num_distributed_optimizer_instances", num_distributed_optimizer_instances,
+                "hierarchical CP on the decentralized path builds one distributed-optimizer "
+                "instance", "set ddp.num_distributed_optimizer_instances=1"))
+        if save_grid:
+            problems.append(Violation(
+                "save_grid", save_grid, "the HCP collection is built from two HyperCommGrids "
+                "(megatron-core 0.16 has no grid views); there is no single grid to save",
+                "call without save_grid"))
+        if problems:
+            raise CPConfigError(problems)
+        return create_pg_collection(
+            config,
+            expert_model_parallel_size=int(
+                getattr(model_config, "expert_model_parallel_size", 1) or 1),
+            expert_tensor_parallel_size=getattr(model_config, "expert_tensor_parallel_size",
+                                                None),
+            world_size=world, rank_offset=rank_offset or 0,
+            get_embedding_ranks=get_embedding_ranks,
+            get_position_embedding_ranks=get_position_embedding_ranks,
+        )
+
+    return _create_pg_collection
+
+
+def _rebind_all(model: Any, pg_collection: Any, cp_size: int, comm_of: Callable) -> int:
+    """Hand every TE attention module of ``model`` its hierarchical CP groups; returns count."""
+    count = 0
+    for chunk in model if isinstance(model, list) else [model]:
+        for module in chunk.modules():
+            if module is chunk or not hasattr(module, "set_context_parallel_group"):
+                continue
+            comm = comm_of(module)
+            if _uses_a2a_p2p(comm):
+                rebind_te_cp_groups(module, pg_collection, cp_size, comm)
+                count += 1
+    return count
+
+
+def _layer_comm(comm: Any, module: Any) -> Any:
+    if isinstance(comm, (list, tuple)):
+        return comm[int(getattr(module, "layer_number", 1)) - 1]
+    return comm
+
+
+def _make_provide(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        model = original(self, pre_process, post_process, vp_stage)
+        pgc = getattr(self, "_pg_collection", None)
+        if pgc is not None and getattr(pgc, "hcp", None) and _uses_a2a_p2p(self.cp_comm_type):
+            _rebind_all(model, pgc, int(self.context_parallel_size),
+                        lambda m: _layer_comm(self.cp_comm_type, m))
+        return model
+
+    return provide
+
+
+def _make_install_pg_collection(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def install_pg_collection(model, target):
+        original(model, target)
+        if getattr(target, "hcp", None):
+            _rebind_all(model, target, target.cp.size(),
+                        lambda m: getattr(m, "cp_comm_type", None))
+
+    return install_pg_collection
+
+
+def _decide_hcp(model_cfg: Any, saved_sizes: Any, saved_comm: Any, mp_overrides: Any) -> None:
+    """What becomes of the checkpoint's HCP settings after Bridge's CP=1 reset (module doc)."""
+    cp = int(getattr(model_cfg, "context_parallel_size", 1) or 1)
+    comm = getattr(model_cfg, "cp_comm_type", None)
+    if cp == 1:
+        if saved_sizes is not None:
+            logger.info("load_megatron_model runs with context_parallel_size=1: the "
+                        "checkpoint's hierarchical_context_parallel_sizes=%s (cp_comm_type=%s) "
+                        "are not used for this load (weights do not depend on CP)",
+                        list(saved_sizes), saved_comm)
+        return
+    if _uses_a2a_p2p(comm) and model_cfg.hierarchical_context_parallel_sizes is None:
+        if saved_sizes is not None and math.prod(saved_sizes) == cp:
+            model_cfg.hierarchical_context_parallel_sizes = list(saved_sizes)
+            logger.warning("load_megatron_model: restored the checkpoint's "
+                           "hierarchical_context_parallel_sizes=%s (Bridge clears them; "
+                           "context_parallel_size=%d from mp_overrides)", list(saved_sizes), cp)
+        else:
+            raise CPConfigError([Violation(
+                "hierarchical_context_parallel_sizes", None,
+                f"cp_comm_type='a2a+p2p' with context_parallel_size={cp} needs the level "
+                f"sizes; Bridge's load_megatron_model clears them (the checkpoint had "
+                f"{saved_sizes})",
+                "pass mp_overrides={'hierarchical_context_parallel_sizes': [a2a, p2p]} with "
+                f"a2a * p2p == {cp}")])
+    cp_config_from_model_config(model_cfg, cp * int(
+        getattr(model_cfg, "tensor_model_parallel_size", 1) or 1) * int(
+        getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1)).validate()
+
+
+def _make_load_megatron_model(original: Callable, module: Any) -> Callable:
+    @functools.wraps(original)
+    def load_megatron_model(checkpoint_path, model_type=None, return_state_dict=False,
+                            use_cpu_init=False, skip_temp_dist_context=None, mp_overrides=None):
+        saved: dict[str, Any] = {}
+        load_config, build = module.load_model_config, module.build_and_load_model
+
+        def load_model_config(*args, **kwargs):
+            cfg, mlm_args = load_config(*args, **kwargs)
+            saved["sizes"] = getattr(cfg, "hierarchical_context_parallel_sizes", None)
+            saved["comm"] = getattr(cfg, "cp_comm_type", None)
+            return cfg, mlm_args
+
+        def build_and_load_model(path, model_cfg, *args, **kwargs):
+            _decide_hcp(model_cfg, saved.get("sizes"), saved.get("comm"), mp_overrides)
+            return build(path, model_cfg, *args, **kwargs)
+
+        module.load_model_config, module.build_and_load_model = (load_model_config,
+                                                                 build_and_load_model)
+        try:
+            return original(checkpoint_path, model_type, return_state_dict, use_cpu_init,
+                            skip_temp_dist_context, mp_overrides)
+        finally:
+            module.load_model_config, module.build_and_load_model = load_config, build
+
+    return load_megatron_model
+
+
+_FACTORIES = {
+    "_create_pg_collection": _make_create_pg_collection,
+    "GPTModelProvider.provide": lambda original, module: _make_provide(original),
+    "load_megatron_model": _make_load_megatron_model,
+    "install_pg_collection": lambda original, module: _make_install_pg_collection(original),
+}
+
+
+# ---------------------------------------------------------------------------- install
+def _resolve(path: tuple[str, str]) -> tuple[Any, Any, str]:
+    """``a.b`` under ``megatron.bridge`` -> (module, owner object, attribute name)."""
+    module_name, attr = path
+    module = importlib.import_module(f"{_PKG}.{module_name}")
+    owner = module
+    *outer, name = attr.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return module, owner, name
+
+
+def _bridge_modules():
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == _PKG or name.startswith(_PKG + "."))]
+
+
+def installed() -> bool:
+    """True when :func:`install` is in effect."""
+    try:
+        _, owner, name = _resolve(("training.initialize", "_create_pg_collection"))
+    except Exception:
+        return False
+    return getattr(getattr(owner, name), _MARK, False)
+
+
+def install() -> None:
+    """Hook megatron_hcp into Megatron-Bridge (idempotent; :func:`uninstall` reverts)."""
+    try:
+        importlib.import_module(_PKG)
+    except ImportError as err:
+        raise BridgeNotInstalledError(
+            f"Megatron-Bridge is not installed ({err}); megatron_hcp.bridge.install() hooks "
+            "into it. Install megatron-bridge, or call megatron_hcp.bridge.create_pg_collection "
+            "directly (it needs no Bridge)") from err
+    if installed():
+        return
+    found, problems = [], []
+    for module_name, attr, params, required in _TARGETS:
+        try:
+            module, owner, name = _resolve((module_name, attr))
+            target = getattr(owner, name)
+        except (ImportError, AttributeError) as err:
+            if required:
+                problems.append(f"{_PKG}.{module_name}.{attr}: missing ({err})")
+            continue
+        have = list(inspect.signature(target).parameters)
+        if have[:len(params)] != list(params):
+            problems.append(f"{_PKG}.{module_name}.{attr}{tuple(have)}: expected the "
+                            f"parameters {params} first")
+            continue
+        found.append((module, owner, name, target, attr))
+    if problems:
+        raise BridgeHookError(
+            "the installed Megatron-Bridge differs from the code megatron_hcp's hook was "
+            "written for (v0.4.0-v0.6.0, main 067f987); nothing was changed:\n  "
+            + "\n  ".join(problems))
+    for module, owner, name, target, attr in found:
+        wrapper = _FACTORIES[attr](target, module)
+        setattr(wrapper, _MARK, True)
+        setattr(owner, name, wrapper)
+        for other in _bridge_modules():  # by-value imports elsewhere in Bridge
+            for key, value in list(vars(other).items()):
+                if value is target:
+                    setattr(other, key, wrapper)
+    logger.info("megatron_hcp: Megatron-Bridge hook installed (%s)",
+                ", ".join(attr for *_, attr in found))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (no-op when not installed)."""
+    for module in _bridge_modules():
+        for owner in [module] + [v for v in vars(module).values() if inspect.isclass(v)]:
+            for key, value in list(vars(owner).items()):
+                if getattr(value, _MARK, False):
+                    setattr(owner, key, value.__wrapped__)
