@@ -371,5 +371,6 @@ def uninstall() -> None:
     for module in _bridge_modules():
         for owner in [module] + [v for v in vars(module).values() if inspect.isclass(v)]:
             for key, value in list(vars(owner).items()):
-                if getattr(value, _MARK, False):
+                # plain functions only: Bridge's import placeholders raise on any getattr
+                if inspect.isfunction(value) and getattr(value, _MARK, False):
                     setattr(owner, key, value.__wrapped__)

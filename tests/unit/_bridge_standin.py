@@ -50,6 +50,17 @@ class RecordingTEAttention(torch.nn.Module):
         self.calls.append((cp_group, cp_global_ranks, cp_comm_type))
 
 
+class _UnavailableMeta(type):
+    """Like Bridge's import placeholders (utils/import_utils.py): any attribute raises."""
+
+    def __getattr__(cls, name):
+        raise RuntimeError(f"{cls.__name__} could not be imported")
+
+
+class FP8GlobalStateManager(metaclass=_UnavailableMeta):
+    pass
+
+
 def _create_pg_collection(model_config, num_distributed_optimizer_instances,
                           get_embedding_ranks=None, get_position_embedding_ranks=None,
                           world_size=None, rank_offset=None, save_grid=False):
@@ -120,6 +131,7 @@ def install_standin(create_pg_collection=_create_pg_collection) -> dict:
     for name in NAMES[:3]:
         mods[name].__path__ = []
     mods["megatron.bridge.training.initialize"]._create_pg_collection = create_pg_collection
+    mods["megatron.bridge.training.initialize"].FP8GlobalStateManager = FP8GlobalStateManager
     mods["megatron.bridge.models.gpt_provider"].GPTModelProvider = GPTModelProvider
     mods["megatron.bridge.training.eval_context_parallel_rebinding"].install_pg_collection = (
         install_pg_collection)
