@@ -26,8 +26,9 @@ Algorithm (deterministic; no hashing, no randomness):
 
 3. of the candidates (counts ``M``, three spread rules) the plan with the smallest makespan
    wins. The FLOPs model treats splitting a sequence over more ranks as free (whole-world groups
-   would always look perfectly balanced), so in FLOPs mode the plan with the least splitting
-   (token-weighted group size) is taken among those within 1 % of the best makespan; given
+   would always look perfectly balanced) and a micro-batch as costless, so in FLOPs mode, among
+   the plans within 1 % of the best makespan, the fewest micro-batches (fewer barriers, larger
+   packs) and then the least splitting (token-weighted group size) win; given
    ``hardware``, the makespan is the projected step time including the exposed CP ring traffic
    (:mod:`.projection`), which prices splitting itself. With VPP the count is a multiple of
    ``k`` (padded with empty micro-batches, reported, only when no candidate reaches one).
@@ -50,7 +51,8 @@ __all__ = ["Group", "MicroBatch", "Plan", "schedule"]
 
 # spread rules tried: (slack over the level, capped at a token-full rank's cost)
 _SPREAD_RULES = ((1.5, True), (2.0, False), (math.inf, True))
-# FLOPs mode: among plans within this share of the best makespan, the least splitting wins
+# FLOPs mode: among plans within this share of the best makespan, fewest micro-batches, then
+# least splitting, win
 _MAKESPAN_TOLERANCE = 0.01
 _LAST_LEVEL_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2)
 _EXTRA_MICRO_BATCHES = 4  # candidates above the token-capacity bound that are tried
@@ -356,7 +358,7 @@ def schedule(
     candidates = [c for c in candidates if c[0] == fewest_pads]
     bound = min(c[1] for c in candidates) * (1 + tolerance)
     _, _, _, _, mbs, pad = min((c for c in candidates if c[1] <= bound),
-                               key=lambda c: (c[2], c[1], c[3]))
+                               key=lambda c: (c[3], c[2], c[1]))
     mbs = mbs + [({}, tuple(range(n)), 0.0)] * pad  # fewer sequences than VPP needs
     notes, micro_batches = [], []
     for j, (groups, idle, _) in enumerate(mbs):
