@@ -31,10 +31,14 @@ import torch.distributed as dist
 
 from .groups import DynamicCPGroups
 from .packing import PackedMicroBatch, pack_thd
+from .projection import Hardware
 from .scheduler import Plan, schedule
 from .workload import GPTWorkload
 
 __all__ = ["DynamicCPDataPath", "PlanMismatchError"]
+
+
+_DEFAULT_HARDWARE = Hardware()
 
 
 class PlanMismatchError(RuntimeError):
@@ -52,7 +56,10 @@ class DynamicCPDataPath:
     ``groups`` are this rank's dynamic CP groups; ``dp_group``/``cp_group``/``tp_group`` the
     static megatron groups (they say which samples this rank loaded and who its TP peers are).
     ``micro_batch_multiple`` makes the micro-batch count a multiple of it (the pipeline size
-    with interleaved VPP).
+    with interleaved VPP). ``hardware``: plans are ranked by projected step time, compute plus
+    exposed CP ring traffic (default: :class:`~.projection.Hardware`'s assumed H100-class
+    numbers), because under FLOPs alone splitting a short sequence over many ranks looks free;
+    ``None`` ranks them by FLOPs makespan.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class DynamicCPDataPath:
         min_cp_size: int | None = None,
         workload: GPTWorkload | None = None,
         micro_batch_multiple: int = 1,
+        hardware: Hardware | None = _DEFAULT_HARDWARE,
     ):
         self.groups = groups
         self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
@@ -73,6 +81,7 @@ class DynamicCPDataPath:
         self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
         self.workload = workload or GPTWorkload()
         self.multiple = int(micro_batch_multiple)
+        self.hardware = hardware
         self.position = groups.position
         self.tp_src = dist.get_process_group_ranks(tp_group)[0]
         self.is_tp_src = dist.get_rank() == self.tp_src
@@ -109,7 +118,7 @@ class DynamicCPDataPath:
             raise PlanMismatchError(
                 "the dynamic-CP plan differs between ranks of the DPxCP group "
                 f"{self.groups.dp_cp_ranks}: the scheduler inputs (lengths, cap, min size, "
-                "workload) must be the same on every rank"
+                "workload, hardware) must be the same on every rank"
             )
 
     # ------------------------------------------------------------------ step 3
@@ -153,6 +162,7 @@ class DynamicCPDataPath:
         all_ids, lengths = self._global_lengths(
             ids, [int(local[i].shape[1]) if local else 0 for i in ids])
         plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
+                        hardware=self.hardware,
                         min_cp_size=self.min_cp_size, vpp=self.multiple)
         self._check_same_plan(plan, all_ids)
         n_local = len(ids)

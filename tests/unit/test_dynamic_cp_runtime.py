@@ -169,7 +169,7 @@ def test_dynamic_cp_trains_like_static_cp_and_no_cp(world, no_cp, tp, cp, pp, vp
 def test_vpp_when_every_micro_batch_is_in_warm_up(world):
     """PP2 x VPP2 with as many micro-batches as stages: stage 0 never reaches 1F1B (upstream's
     blocking shape exchange deadlocks here)."""
-    lengths = [256, 48, 200, 200, 24, 112, 24, 96]  # plan: 2 micro-batches (groups of 4; 2)
+    lengths = [256, 27, 34, 16, 68, 28, 52, 32]  # plan: 2 micro-batches ([4], [1, 1, 1, 1])
     runs = world.run(train, 1, 2, 2, True, 2, lengths=lengths, cap=128, steps=1)
     assert runs[0]["micro_batches"] == [2]
     assert_same(runs, world.run(train, 1, 1, 1, False, lengths=lengths, steps=1)[0])
@@ -177,7 +177,7 @@ def test_vpp_when_every_micro_batch_is_in_warm_up(world):
 
 def test_micro_batch_with_local_cp_sizes_1_and_4(world):
     """One long sequence over 4 ranks while 4 short ones run alone (local CP size 1)."""
-    lengths = [32, 24, 128, 112, 256, 24, 16, 64]  # cap 96: one micro-batch has 4, 2, 1, 1
+    lengths = [200, 40, 44, 36, 30, 50, 20, 24]  # cap 96: 200 runs on 4 ranks, the rest on 1
     kwargs = dict(lengths=lengths, cap=96, steps=2)
     runs = world.run(train, 1, 8, 1, True, **kwargs)
     first = [run["local_cp_sizes"][0] for run in runs]
