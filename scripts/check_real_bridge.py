@@ -104,6 +104,7 @@ def _rank_main(rank: int, port: int, out) -> None:
     from megatron.bridge.training import initialize
 
     from megatron_hcp.bridge.hook import install, installed, uninstall
+    from megatron_hcp.parallel_state.mpu import mpu_groups_by_field
 
     report = {}
     cfg = GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -120,17 +121,7 @@ def _rank_main(rank: int, port: int, out) -> None:
     pgc = initialize._create_pg_collection(cfg, 1)
     ps.initialize_model_parallel(context_parallel_size=4,
                                  hierarchical_context_parallel_sizes=[2, 2])
-    mpu = {"tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
-           "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
-           "mp": ps.get_model_parallel_group(),
-           "tp_cp": ps.get_tensor_and_context_parallel_group(),
-           "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-           "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-           "ep": ps.get_expert_model_parallel_group(),
-           "expt_tp": ps.get_expert_tensor_parallel_group(),
-           "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
-           "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
-           "expt_dp": ps.get_expert_data_parallel_group()}
+    mpu = mpu_groups_by_field()
     diffs = [(f, _members(getattr(pgc, f)), _members(mpu[f])) for f in FIELDS
              if sorted(_members(getattr(pgc, f))) != sorted(_members(mpu[f]))]
     theirs = ps.get_hierarchical_context_parallel_groups()

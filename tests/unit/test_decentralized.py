@@ -51,7 +51,11 @@ def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
     from megatron.core import parallel_state as ps
 
     from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
-    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.parallel_state.mpu import (
+        destroy_model_parallel,
+        initialize_model_parallel,
+        mpu_groups_by_field,
+    )
     from megatron_hcp.patching import apply, by_name
 
     apply(by_name(["pg-collection-repr"]))  # upstream __repr__ raises on the hcp list
@@ -68,21 +72,7 @@ def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
         log.removeHandler(handler)
     initialize_model_parallel(_config(tp, cp, pp, hcp), create_gloo_process_groups=False)
     try:
-        mpu = {
-            "tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
-            "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
-            "mp": ps.get_model_parallel_group(), "tp_cp":
-            ps.get_tensor_and_context_parallel_group(),
-            "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-            "ep": ps.get_expert_model_parallel_group(),
-            "expt_tp": ps.get_expert_tensor_parallel_group(),
-            "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
-            "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
-            "expt_dp": ps.get_expert_data_parallel_group(),
-            "embd": ps.get_embedding_group(check_initialized=False),
-            "pos_embd": ps.get_position_embedding_group(check_initialized=False),
-        }
+        mpu = mpu_groups_by_field()
         diffs = []
         for name in FIELDS_ORDERED + FIELDS_SETS:
             a, b = _members(getattr(ours, name)), _members(mpu[name])
