@@ -19,12 +19,12 @@ projection, not a measurement: no GPU was available to calibrate it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .workload import GPTWorkload
 
-__all__ = ["Hardware", "projected_seconds", "plan_seconds", "static_cp_seconds"]
+__all__ = ["Hardware", "group_seconds", "plan_seconds", "projected_seconds", "static_cp_seconds"]
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,19 @@ def projected_seconds(workload: GPTWorkload, length: int, group_size: int,
     return compute + workload.num_layers * (c - 1) * (fwd_exposed + bwd_exposed)
 
 
+def group_seconds(workload: GPTWorkload, lengths: Sequence[int], samples: Iterable[int],
+                  group_size: int, hw: Hardware) -> float:
+    """Seconds each rank of a CP group spends on ``samples`` (all split over the group)."""
+    return sum(projected_seconds(workload, lengths[s], group_size, hw) for s in samples)
+
+
 def plan_seconds(plan, lengths: Sequence[int], workload: GPTWorkload, hw: Hardware) -> float:
     """Projected step of a dynamic-CP plan: sum over micro-batches of the slowest rank."""
-    total = 0.0
-    for mb in plan.micro_batches:
-        total += max((sum(projected_seconds(workload, lengths[s], len(g.ranks), hw)
-                          for s in g.samples) for g in mb.groups), default=0.0)
-    return total
+    return sum(max((group_seconds(workload, lengths, g.samples, len(g.ranks), hw)
+                    for g in mb.groups), default=0.0) for mb in plan.micro_batches)
 
 
 def static_cp_seconds(replicas: Sequence[Sequence[int]], lengths: Sequence[int], cp: int,
                       workload: GPTWorkload, hw: Hardware) -> float:
     """Projected step of static CP: DP replicas only meet at the step end (slowest replica)."""
-    return max(sum(projected_seconds(workload, lengths[s], cp, hw) for s in samples)
-               for samples in replicas)
+    return max(group_seconds(workload, lengths, samples, cp, hw) for samples in replicas)

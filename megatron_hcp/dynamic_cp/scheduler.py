@@ -41,10 +41,11 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from .projection import Hardware, projected_seconds
+from .projection import Hardware, group_seconds
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
 __all__ = ["Group", "MicroBatch", "Plan", "schedule"]
@@ -56,6 +57,13 @@ _SPREAD_RULES = ((1.5, True), (2.0, False), (math.inf, True))
 _MAKESPAN_TOLERANCE = 0.01
 _LAST_LEVEL_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2)
 _EXTRA_MICRO_BATCHES = 4  # candidates above the token-capacity bound that are tried
+
+
+class _Candidate(NamedTuple):
+    pad: int  # empty micro-batches added for VPP
+    score: float  # FLOPs makespan, or projected seconds
+    splitting: float  # token-weighted group size
+    mbs: list
 
 
 @dataclass(frozen=True)
@@ -111,23 +119,30 @@ def _check_inputs(lengths, n, cap, min_cp_size, vpp) -> None:
 
 
 class _Pool:
-    """Unplaced sequences by minimum group size; each class sorted by total cost, ascending."""
+    """Unplaced sequences by minimum group size; each class sorted by total cost, ascending.
 
-    def __init__(self, ids: Sequence[int], total: Sequence[float], c0: Sequence[int]):
+    Also the covering walk's state: which sequences are placed, and the position in the
+    covering order before which all are.
+    """
+
+    def __init__(self, total: Sequence[float], c0: Sequence[int]):
+        self.total, self.c0 = total, c0
         self.cost: dict[int, list[float]] = {}
         self.ids: dict[int, list[int]] = {}
-        for s in sorted(ids, key=lambda s: (total[s], s)):
+        for s in sorted(range(len(total)), key=lambda s: (total[s], s)):
             self.cost.setdefault(c0[s], []).append(total[s])
             self.ids.setdefault(c0[s], []).append(s)
         self.sizes = sorted(self.cost)
-        self.count = len(ids)
-        self.cover_from = 0  # position in the covering order before which all are placed
+        self.count = len(total)
+        self.placed = [False] * len(total)
+        self.cover_from = 0
 
     def copy(self) -> _Pool:
         other = object.__new__(_Pool)
+        other.__dict__.update(self.__dict__)
         other.cost = {c: list(v) for c, v in self.cost.items()}
         other.ids = {c: list(v) for c, v in self.ids.items()}
-        other.sizes, other.count, other.cover_from = self.sizes, self.count, self.cover_from
+        other.placed = list(self.placed)
         return other
 
     def take_largest(self, max_size: int, limit: float) -> int | None:
@@ -144,16 +159,19 @@ class _Pool:
             return None
         self.count -= 1
         self.cost[best_c].pop(best_i)
-        return self.ids[best_c].pop(best_i)
+        s = self.ids[best_c].pop(best_i)
+        self.placed[s] = True
+        return s
 
-    def remove(self, s: int, cost: float, size: int) -> None:
-        costs, ids = self.cost[size], self.ids[size]
-        i = bisect_left(costs, cost)
+    def remove(self, s: int) -> None:
+        costs, ids = self.cost[self.c0[s]], self.ids[self.c0[s]]
+        i = bisect_left(costs, self.total[s])
         while ids[i] != s:
             i += 1
         costs.pop(i)
         ids.pop(i)
         self.count -= 1
+        self.placed[s] = True
 
 
 @dataclass
@@ -175,21 +193,21 @@ class _Packer:
         self.order = sorted(range(len(lengths)), key=lambda s: (-total[s] / c0[s], s))
         self.full_rank = cost1(cap)
 
-    def run(self, m: int, mb_score, budget: float = math.inf) -> list | None:
+    def run(self, m: int, mb_score, budget: float = math.inf) -> tuple[list, float] | None:
         """Pack everything aiming at ``m`` micro-batches (more if the rest does not fit).
 
         Each micro-batch's level is the work left over the micro-batches left; the last one
-        tries a few levels above that and keeps the cheapest complete tail. Returns None as
-        soon as the summed ``mb_score`` exceeds ``budget`` (the plan could not win).
+        tries a few levels above that and keeps the cheapest complete tail. Returns the
+        micro-batches and their summed ``mb_score``, or None as soon as that exceeds
+        ``budget`` (the plan could not win).
         """
-        pool = _Pool(range(len(self.lengths)), self.total, self.c0)
-        taken = [False] * len(self.lengths)
+        pool = _Pool(self.total, self.c0)
         remaining = float(sum(self.total))
         out: list = []
         spent = 0.0
         while pool.count and m - len(out) > 1:
-            level = remaining / (self.n * (m - len(out)))
-            groups, idle, peak, work = self._micro_batch(pool, taken, level)
+            groups, idle, peak, work = self._micro_batch(
+                pool, remaining / (self.n * (m - len(out))))
             remaining -= work
             out.append((groups, idle, peak))
             spent += mb_score(groups, peak)
@@ -197,21 +215,23 @@ class _Packer:
                 return None
         best = None
         for factor in _LAST_LEVEL_FACTORS if pool.count else ():
-            tail = self._tail(pool.copy(), taken[:], remaining, factor)
+            tail = self._tail(pool.copy(), remaining, factor)
             cost = sum(mb_score(groups, peak) for groups, _, peak in tail)
             if best is None or cost < best[0]:
                 best = (cost, tail)
             if len(tail) > 2:  # a long overflow: higher levels cannot make it one micro-batch
                 break
-        if best and spent + best[0] > budget:
+        if best is None:
+            return out, spent
+        if spent + best[0] > budget:
             return None
-        return out + (best[1] if best else [])
+        return out + best[1], spent + best[0]
 
-    def _tail(self, pool: _Pool, taken: list[bool], remaining: float, factor: float) -> list:
+    def _tail(self, pool: _Pool, remaining: float, factor: float) -> list:
         out = []
         while pool.count:
             groups, idle, peak, work = self._micro_batch(
-                pool, taken, remaining / self.n * (factor if not out else 1.0))
+                pool, remaining / self.n * (factor if not out else 1.0))
             remaining -= work
             out.append((groups, idle, peak))
         return out
@@ -219,7 +239,7 @@ class _Packer:
     def _fits(self, samples: list[int], size: int) -> bool:
         return sum(tokens_per_rank(self.lengths[s], size) for s in samples) <= self.cap
 
-    def _micro_batch(self, pool: _Pool, taken: list[bool], level: float):
+    def _micro_batch(self, pool: _Pool, level: float):
         n, total, c0 = self.n, self.total, self.c0
         # a sequence heavier than the level is spread over more ranks only when it exceeds the
         # level by the rule's slack (capped: or what a rank full of tokens costs - ranks bound
@@ -229,11 +249,12 @@ class _Packer:
         if capped:
             spread_above = min(spread_above, max(level, self.full_rank))
         free, cover, order = n, [], self.order
-        while pool.cover_from < len(order) and taken[order[pool.cover_from]]:
+        placed = pool.placed
+        while pool.cover_from < len(order) and placed[order[pool.cover_from]]:
             pool.cover_from += 1
         for i in range(pool.cover_from, len(order)):  # 1. cover with the heaviest left
             s = order[i]
-            if taken[s]:
+            if placed[s]:
                 continue
             c = c0[s]
             while c < n and total[s] / c > spread_above:
@@ -245,8 +266,7 @@ class _Packer:
                     break
         blocks, start = [], 0
         for c, s in sorted(cover, key=lambda x: (-x[0], x[1])):  # buddy order: no fragments
-            taken[s] = True
-            pool.remove(s, total[s], c0[s])
+            pool.remove(s)
             blocks.append(_Block(start, c, total[s] / c, tokens_per_rank(self.lengths[s], c),
                                  [s]))
             start += c
@@ -262,7 +282,6 @@ class _Packer:
                 s = pool.take_largest(b.size, limit)
                 if s is None:
                     break
-                taken[s] = True
                 b.samples.append(s)
                 b.load += total[s] / b.size
                 b.tokens += tokens_per_rank(self.lengths[s], b.size)
@@ -272,6 +291,7 @@ class _Packer:
         peak = max(sum(total[s] for s in samples) / size
                    for (_, size), samples in groups.items())
         return groups, idle, peak, work
+
 
 def _absorb_idle(groups: dict, n: int, fits=None) -> tuple[int, ...]:
     """Give idle ranks work; returns the ranks that stay idle (no legal merge exists).
@@ -330,35 +350,35 @@ def schedule(
     def mb_score(groups: dict, peak: float) -> float:
         if hardware is None:
             return peak
-        return max((sum(projected_seconds(model, lengths[s], size, hardware) for s in v)
+        return max((group_seconds(model, lengths, v, size, hardware)
                     for (_, size), v in groups.items()), default=0.0)
-
-    def splitting(mbs) -> float:  # token-weighted group size
-        return sum(lengths[s] * size for groups, _, _ in mbs
-                   for (_, size), v in groups.items() for s in v)
 
     # lower bound on the micro-batch count: token capacity of N ranks
     m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))
                             / (n * cap)))
     counts = sorted({-(-m // vpp) * vpp for m in range(m_lo, m_lo + _EXTRA_MICRO_BATCHES + 1)})
-    tolerance = 0.0 if hardware else _MAKESPAN_TOLERANCE
+    # hardware mode prices splitting itself: only float-rounding ties go to the tie-break
+    tolerance = 1e-9 if hardware else _MAKESPAN_TOLERANCE
     candidates, budget = [], math.inf  # budget: what a plan may score and still be chosen
     for rule in _SPREAD_RULES:
         packer = _Packer(lengths, n, cap, total, c0, cost1, rule)
         for m in counts:
-            mbs = packer.run(m, mb_score, budget)
-            if mbs is None:
+            result = packer.run(m, mb_score, budget)
+            if result is None:
                 continue
+            mbs, score = result
             pad = -len(mbs) % vpp
-            score = sum(mb_score(groups, peak) for groups, _, peak in mbs)
-            candidates.append((pad > 0, score, splitting(mbs), len(mbs) + pad, mbs, pad))
+            splitting = sum(lengths[s] * size for groups, _, _ in mbs
+                            for (_, size), v in groups.items() for s in v)
+            candidates.append(_Candidate(pad, score, splitting, mbs))
             if not pad:
                 budget = min(budget, score * (1 + tolerance))
-    fewest_pads = min(c[0] for c in candidates)
-    candidates = [c for c in candidates if c[0] == fewest_pads]
-    bound = min(c[1] for c in candidates) * (1 + tolerance)
-    _, _, _, _, mbs, pad = min((c for c in candidates if c[1] <= bound),
-                               key=lambda c: (c[3], c[2], c[1]))
+    fewest_pads = min(c.pad > 0 for c in candidates)
+    candidates = [c for c in candidates if (c.pad > 0) == fewest_pads]
+    bound = min(c.score for c in candidates) * (1 + tolerance)
+    best = min((c for c in candidates if c.score <= bound),
+               key=lambda c: (len(c.mbs) + c.pad, c.splitting, c.score))
+    mbs, pad = best.mbs, best.pad
     mbs = mbs + [({}, tuple(range(n)), 0.0)] * pad  # fewer sequences than VPP needs
     notes, micro_batches = [], []
     for j, (groups, idle, _) in enumerate(mbs):
