@@ -85,11 +85,14 @@ def _uses_a2a_p2p(comm: Any) -> bool:
     return comm == "a2a+p2p" or (isinstance(comm, (list, tuple)) and "a2a+p2p" in comm)
 
 
-def cp_config_from_model_config(model_config: Any, world_size: int) -> CPConfig:
-    """The CP-relevant fields of a Bridge/megatron model config on ``world_size`` ranks."""
+def cp_config_from_model_config(model_config: Any, world_size: int | None = None) -> CPConfig:
+    """The CP-relevant fields of a Bridge/megatron model config on ``world_size`` ranks
+    (default: one data-parallel replica)."""
     tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
     cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
+    if world_size is None:
+        world_size = tp * cp * pp
     if world_size % (tp * cp * pp):
         raise CPConfigError([Violation(
             "context_parallel_size", cp,
@@ -123,7 +126,8 @@ def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = N
     from ..config import parse_value
 
     fields = set(CPConfig.field_names())
-    model_pairs, dist_settings = [], {}
+    model_raw: dict[str, str] = {}
+    dist_settings: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         section, _, name = key.strip().lstrip("+").partition(".")
@@ -131,12 +135,11 @@ def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = N
             raise CPConfigError([Violation(item, None, "overrides are section.key=value",
                                            "write e.g. model.context_parallel_size=4")])
         if section == "model" and name in fields:
-            model_pairs.append(f"{name}={raw}")
+            model_raw[name] = raw
         elif section == "dist":
             dist_settings[name] = parse_value(raw)
-    given = CPConfig.from_pairs(model_pairs)
-    changed = {n: getattr(given, n) for n in (p.partition("=")[0] for p in model_pairs)}
-    config = dataclasses.replace(base or CPConfig(), **changed)
+    given = CPConfig.from_pairs([f"{k}={v}" for k, v in model_raw.items()])  # typed values
+    config = dataclasses.replace(base or CPConfig(), **{k: getattr(given, k) for k in model_raw})
     config.validate()
     return config, dist_settings
 
@@ -187,9 +190,8 @@ def _make_create_pg_collection(original: Callable, module: Any) -> Callable:
     return _create_pg_collection
 
 
-def _rebind_all(model: Any, pg_collection: Any, cp_size: int, comm_of: Callable) -> int:
-    """Hand every TE attention module of ``model`` its hierarchical CP groups; returns count."""
-    count = 0
+def _rebind_all(model: Any, pg_collection: Any, cp_size: int, comm_of: Callable) -> None:
+    """Hand every TE attention module of ``model`` its hierarchical CP groups."""
     for chunk in model if isinstance(model, list) else [model]:
         for module in chunk.modules():
             if module is chunk or not hasattr(module, "set_context_parallel_group"):
@@ -197,8 +199,6 @@ def _rebind_all(model: Any, pg_collection: Any, cp_size: int, comm_of: Callable)
             comm = comm_of(module)
             if _uses_a2a_p2p(comm):
                 rebind_te_cp_groups(module, pg_collection, cp_size, comm)
-                count += 1
-    return count
 
 
 def _layer_comm(comm: Any, module: Any) -> Any:
@@ -231,7 +231,7 @@ def _make_install_pg_collection(original: Callable) -> Callable:
     return install_pg_collection
 
 
-def _decide_hcp(model_cfg: Any, saved_sizes: Any, saved_comm: Any, mp_overrides: Any) -> None:
+def _decide_hcp(model_cfg: Any, saved_sizes: Any, saved_comm: Any) -> None:
     """What becomes of the checkpoint's HCP settings after Bridge's CP=1 reset (module doc)."""
     cp = int(getattr(model_cfg, "context_parallel_size", 1) or 1)
     comm = getattr(model_cfg, "cp_comm_type", None)
@@ -256,9 +256,7 @@ def _decide_hcp(model_cfg: Any, saved_sizes: Any, saved_comm: Any, mp_overrides:
                 f"{saved_sizes})",
                 "pass mp_overrides={'hierarchical_context_parallel_sizes': [a2a, p2p]} with "
                 f"a2a * p2p == {cp}")])
-    cp_config_from_model_config(model_cfg, cp * int(
-        getattr(model_cfg, "tensor_model_parallel_size", 1) or 1) * int(
-        getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1)).validate()
+    cp_config_from_model_config(model_cfg).validate()
 
 
 def _make_load_megatron_model(original: Callable, module: Any) -> Callable:
@@ -275,7 +273,7 @@ def _make_load_megatron_model(original: Callable, module: Any) -> Callable:
             return cfg, mlm_args
 
         def build_and_load_model(path, model_cfg, *args, **kwargs):
-            _decide_hcp(model_cfg, saved.get("sizes"), saved.get("comm"), mp_overrides)
+            _decide_hcp(model_cfg, saved.get("sizes"), saved.get("comm"))
             return build(path, model_cfg, *args, **kwargs)
 
         module.load_model_config, module.build_and_load_model = (load_model_config,
