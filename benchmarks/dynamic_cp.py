@@ -159,6 +159,7 @@ def projection_table(args, rng) -> None:
     for label, model in (("hidden 512", MODEL), ("8B-like", LARGE)):
         for n, count in cases:
             ratios = {k: [] for k in HARDWARE}
+            static_sizes = set()
             for _ in range(args.seeds):
                 lengths = lognormal(rng, count)
                 for key, hw in HARDWARE.items():
@@ -168,7 +169,9 @@ def projection_table(args, rng) -> None:
                         lengths, n, functools.partial(projected_seconds, model, hw=hw))
                     static = static_cp_seconds(replicas, lengths, c, model, hw)
                     ratios[key].append(static / ours)
-            print(f"{label:<12} {n:>4} {count:>7} {c:>9} | " + " ".join(
+                    static_sizes.add(c)
+            sizes = "/".join(map(str, sorted(static_sizes)))
+            print(f"{label:<12} {n:>4} {count:>7} {sizes:>9} | " + " ".join(
                 f"{np.mean(v):>7.2f}x" for v in ratios.values()))
 
 

@@ -37,6 +37,9 @@ def test_install_is_idempotent_and_reversible(bridge):
     originals = (init._create_pg_collection, standin.GPTModelProvider.provide,
                  mls.load_megatron_model,
                  bridge["eval_context_parallel_rebinding"].install_pg_collection)
+    hcp_cfg = standin.SimpleNamespace(hierarchical_context_parallel_sizes=[2, 2])
+    with pytest.raises(NotImplementedError):  # Bridge without the hook
+        init._create_pg_collection(hcp_cfg, 1)
     hook.install()
     wrapped = init._create_pg_collection
     assert hook.installed() and wrapped is not originals[0]
@@ -50,6 +53,8 @@ def test_install_is_idempotent_and_reversible(bridge):
             mls.load_megatron_model,
             bridge["eval_context_parallel_rebinding"].install_pg_collection) == originals
     assert bridge["diffusion_pipeline"]._load_megatron_model is originals[2]
+    with pytest.raises(NotImplementedError):  # Bridge's own behaviour is back
+        init._create_pg_collection(hcp_cfg, 1)
     hook.uninstall()  # no-op
 
 
@@ -76,12 +81,6 @@ def test_configs_without_hcp_go_to_bridge_unchanged(bridge):
     assert out == ("bridge", 8, 8, False)
 
 
-def test_hcp_without_the_hook_is_bridges_error(bridge):
-    cfg = standin.SimpleNamespace(hierarchical_context_parallel_sizes=[2, 2])
-    with pytest.raises(NotImplementedError):
-        bridge["initialize"]._create_pg_collection(cfg, 1)
-
-
 def test_hcp_configs_are_validated_before_any_group(bridge):
     hook.install()
     cfg = standin.SimpleNamespace(
@@ -104,13 +103,11 @@ def checkpoint(tmp_path):
     return tmp_path
 
 
-def test_upstream_load_drops_hcp_silently(bridge, checkpoint):
+def test_load_restores_the_checkpoints_sizes_when_cp_matches(bridge, checkpoint, caplog):
     cfg = bridge["model_load_save"].load_megatron_model(
         str(checkpoint), mp_overrides={"context_parallel_size": 4})
+    # without the hook Bridge drops the sizes silently
     assert cfg.context_parallel_size == 4 and cfg.hierarchical_context_parallel_sizes is None
-
-
-def test_load_restores_the_checkpoints_sizes_when_cp_matches(bridge, checkpoint, caplog):
     hook.install()
     with caplog.at_level(logging.WARNING, logger="megatron_hcp"):
         cfg = bridge["model_load_save"].load_megatron_model(

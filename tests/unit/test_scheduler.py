@@ -113,7 +113,7 @@ def test_flops_mode_does_not_split_what_needs_no_splitting():
     assert plan.summary["enlarged_token_fraction"] == 0
 
 
-def test_pricing_the_ring_splits_less_and_projects_faster():
+def test_pricing_the_ring_projects_a_faster_plan():
     model = GPTWorkload(num_layers=12, hidden_size=512, num_attention_heads=8)
     lengths = _lognormal(3, count=512)
     hw = Hardware(bytes_per_second=25e9, latency_seconds=15e-6)
