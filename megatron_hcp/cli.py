@@ -99,17 +99,20 @@ def _patch_list(args: argparse.Namespace) -> int:
 
     version = megatron_core_version()
     print(f"megatron-core {version}")
-    print(f"{'patch':<26} {'category':<12} {'versions':<10} {'supported':<9} {'applied':<7} "
+    print(f"{'patch':<38} {'category':<12} {'versions':<14} {'needed':<7} {'applied':<7} "
           "summary")
     for patch in ALL_PATCHES:
-        applied = "n/a" if patch.missing_requirement() else (
+        needed = patch.needed(version)
+        applied = "n/a" if not needed or patch.missing_requirement() else (
             "yes" if is_applied(patch) else "no")
-        print(f"{patch.name:<26} {patch.category:<12} {','.join(patch.versions):<10} "
-              f"{'yes' if patch.supports(version) else 'no':<9} {applied:<7} {patch.summary}")
+        print(f"{patch.name:<38} {patch.category:<12} {','.join(patch.versions):<14} "
+              f"{'yes' if needed else 'no':<7} {applied:<7} {patch.summary}")
         if args.verbose:
-            print(f"{'':<26} upstream: {patch.upstream}")
-            if patch.missing_requirement():
-                print(f"{'':<26} not applicable here: {patch.missing_requirement()}")
+            print(f"{'':<38} upstream: {patch.upstream}")
+            if not needed:
+                print(f"{'':<38} megatron-core {version}: {patch.status(version)}")
+            elif patch.missing_requirement():
+                print(f"{'':<38} not applicable here: {patch.missing_requirement()}")
     return 0
 
 
@@ -123,7 +126,8 @@ def _patch_fork(args: argparse.Namespace) -> int:
             version, statuses = check_diffs(args.target)
             print(f"megatron-core {version} at {args.target}")
             for s in statuses:
-                print(f"  {s.file.name:<50} {s.state}"
+                label = s.file.name if s.file is not None else s.name
+                print(f"  {label:<50} {s.state}"
                       + (f"  ({s.detail.splitlines()[0]})" if s.detail else ""))
             return 0 if all(s.state != "conflicts" for s in statuses) else 1
         done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(args.target)

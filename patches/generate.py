@@ -2,9 +2,11 @@
 
 Each runtime patch of :mod:`megatron_hcp.patching` has one fork-style edit here: exact text
 replacements in megatron-core's files (or a new file) that make the same change in source form.
-Run with the project's virtualenv (the installed megatron-core is the base):
+Edits differ between releases only where upstream's text did (``VERSION_EDITS``). One run writes
+the diffs of every supported version; the base of a version is the installed megatron-core when
+it is that version, else that release's wheel fetched with ``pip download`` (or ``--source``):
 
-    .venv/bin/python patches/generate.py
+    .venv/bin/python patches/generate.py [--version 0.19.2 [--source PATH/TO/megatron]]
 
 Every edit must match exactly once, so a new upstream release fails loudly here instead of
 producing a diff that does not apply. The header of each diff records the digest of the runtime
@@ -14,10 +16,14 @@ when either side changes without regenerating.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import inspect
+import subprocess
 import sys
+import tempfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,13 +32,14 @@ sys.path.insert(0, str(ROOT))
 from megatron_hcp.patching import by_name  # noqa: E402
 from megatron_hcp.patching import cpu_runtime as cpu  # noqa: E402
 from megatron_hcp.patching.forkpatch import (  # noqa: E402
-    SERIES,
     diff_digest,
     megatron_package_dir,
     runtime_digest,
+    series_for,
 )
+from megatron_hcp.patching.registry import megatron_core_version  # noqa: E402
 
-VERSION = "0.16.1"
+VERSIONS = ("0.16.1", "0.19.2")
 NEW_FILE = object()
 
 
@@ -496,26 +503,108 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
 }
 
 
-def _header(name: str) -> str:
+# Edits of a version whose upstream text differs from 0.16.1's (same change, new context).
+def _rope_edits_0192() -> list:
+    """attention-dynamic-cp-rope on 0.19.2: the RoPE calls read mscale from an attribute."""
+    first, *_, append = EDITS["attention-dynamic-cp-rope"]
+    q, inference_q, k = (
+        ("                            cu_seqlens=cu_seqlens_q,\n"
+         "                            mscale=self._yarn_concentration_factor,\n"
+         "                            cp_group={},\n"),
+        ("                            self.config,\n"
+         "                            cu_seqlens_q,\n"
+         "                            {},\n"
+         "                            mscale=self._yarn_concentration_factor,\n"),
+        ("                        cu_seqlens=cu_seqlens_kv,\n"
+         "                        mscale=self._yarn_concentration_factor,\n"
+         "                        cp_group={},\n"))
+    path = "megatron/core/transformer/attention.py"
+    return [first, *((path, t.format("self.pg_collection.cp"), t.format("rope_cp_group"))
+                     for t in (q, inference_q, k)), append]
+
+
+def _mtp_edits_0192() -> list:
+    """mtp-dynamic-cp-group on 0.19.2: the layer's three rolls, and process_mtp_loss (shared by
+    GPTModel and HybridModel) instead of GPTModel._postprocess."""
+    path = "megatron/core/transformer/multi_token_prediction.py"
+    group = "_micro_batch_cp_group(self.cp_group, packed_seq_params)"
+    rolls = [(path, f"{name}, _ = roll_tensor(\n{ind}    {name},\n{ind}    shifts=-1,\n"
+                    f"{ind}    dims=-1,\n{ind}    cp_group=self.cp_group,\n",
+              f"{name}, _ = roll_tensor(\n{ind}    {name},\n{ind}    shifts=-1,\n"
+              f"{ind}    dims=-1,\n{ind}    cp_group={group},\n")
+             for name, ind in (("input_ids", "        "), ("position_ids", "        "),
+                               ("padding_mask", "            "))]
+    helper = EDITS["mtp-dynamic-cp-group"][2]
+    loss = (path,
+            "    hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, "
+            "dim=0)\n",
+            "    # megatron-hcp mtp-dynamic-cp-group: roll over the micro-batch's CP group\n"
+            "    cp_group = _micro_batch_cp_group(cp_group, packed_seq_params)\n"
+            "    hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, "
+            "dim=0)\n")
+    return [*rolls, helper, loss]
+
+
+def _mamba_edits_0192() -> list:
+    """mamba-dynamic-cp-group on 0.19.2: MambaContextParallel takes the conv1d weight, bias and
+    padding instead of the module."""
+    (path, old, new), append = EDITS["mamba-dynamic-cp-group"]
+    new = new.replace(
+        "                conv1d_cp1=static.conv1d_cp1,\n",
+        "                conv1d_weight_cp1=static.conv1d_weight_cp1,\n"
+        "                conv1d_bias_cp1=static.conv1d_bias_cp1,\n"
+        "                conv1d_padding=static.conv1d_padding,\n")
+    return [(path, old, new), append]
+
+
+VERSION_EDITS: dict[str, dict[str, list]] = {
+    "0.19.2": {
+        "attention-dynamic-cp-rope": _rope_edits_0192(),
+        "mtp-dynamic-cp-group": _mtp_edits_0192(),
+        "mamba-dynamic-cp-group": _mamba_edits_0192(),
+    },
+}
+
+
+def edits_for(version: str) -> dict[str, list]:
+    return {**EDITS, **VERSION_EDITS.get(version, {})}
+
+
+def _header(name: str, version: str) -> str:
     patch = by_name([name])[0]
     return (f"From: megatron-hcp\nSubject: [PATCH] {name}: {patch.summary}\n\n"
             + textwrap.fill(f"Upstream: {patch.upstream}", 100) + "\n\n"
             f"Patch-Name: {name}\nMegatron-Core-Versions: {', '.join(patch.versions)}\n"
-            f"Runtime-Digest: {runtime_digest(patch)}\n")
+            + (f"Fixed-Upstream-In: {patch.fixed_in}\n" if patch.fixed_in else "")
+            + f"Runtime-Digest: {runtime_digest(patch, version)}\n")
 
 
-def generate(version: str = VERSION) -> list[Path]:
-    pkg = megatron_package_dir()
-    root = pkg.parent  # files are named megatron/core/... from here
+def source_root(version: str, workdir: Path) -> Path:
+    """The directory holding ``megatron/core`` of ``version``: the installed package when it is
+    that version, else the release's wheel from the package index, unpacked in ``workdir``."""
+    if megatron_core_version() == version:
+        return megatron_package_dir().parent
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir",
+                    "--only-binary=:all:", "--python-version", "3.12", "-d", str(workdir),
+                    f"megatron-core=={version}"], check=True)
+    (wheel,) = workdir.glob(f"megatron_core-{version}-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(workdir / "src", [n for n in zf.namelist() if n.startswith("megatron/")])
+    return workdir / "src"
+
+
+def generate(version: str, root: Path) -> list[Path]:
+    """Write the diffs of ``version`` against the megatron-core sources under ``root``."""
+    edits = edits_for(version)
     state: dict[str, str | None] = {}
     out_dir = ROOT / "patches" / f"megatron-core-{version}"
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.patch"):
         old.unlink()
     written = []
-    for number, name in enumerate(SERIES, start=1):
+    for number, name in enumerate(series_for(version), start=1):
         before: dict[str, str | None] = {}
-        for path, old, new in EDITS[name]:
+        for path, old, new in edits[name]:
             if path not in state:
                 file = root / path
                 state[path] = file.read_text() if file.is_file() else None
@@ -523,13 +612,13 @@ def generate(version: str = VERSION) -> list[Path]:
             text = state[path]
             if old is NEW_FILE:
                 if text is not None:
-                    raise SystemExit(f"{name}: {path} already exists")
+                    raise SystemExit(f"{version} {name}: {path} already exists")
                 state[path] = new
             elif old == "<<END>>":
                 state[path] = text.rstrip("\n") + "\n" + new
             else:
                 if text is None or text.count(old) != 1:
-                    raise SystemExit(f"{name}: edit of {path} matches "
+                    raise SystemExit(f"{version} {name}: edit of {path} matches "
                                      f"{0 if text is None else text.count(old)} times")
                 state[path] = text.replace(old, new)
         body = []
@@ -543,11 +632,28 @@ def generate(version: str = VERSION) -> list[Path]:
             body.extend(difflib.unified_diff(a, b, src, f"b/{path}", n=3))
         diff = "".join(body)
         target = out_dir / f"{number:04d}-{name}.patch"
-        target.write_text(_header(name) + f"Diff-Digest: {diff_digest(diff)}\n---\n" + diff)
+        target.write_text(_header(name, version) + f"Diff-Digest: {diff_digest(diff)}\n---\n"
+                          + diff)
         written.append(target)
     return written
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--version", choices=VERSIONS, action="append",
+                        help="only this version (repeatable); default: every supported version")
+    parser.add_argument("--source", type=Path,
+                        help="directory holding megatron/core of the (single) --version")
+    args = parser.parse_args()
+    versions = args.version or list(VERSIONS)
+    if args.source and len(versions) != 1:
+        parser.error("--source needs exactly one --version")
+    for version in versions:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = args.source or source_root(version, Path(tmp))
+            for path in generate(version, root):
+                print(path.relative_to(ROOT))
+
+
 if __name__ == "__main__":
-    for path in generate():
-        print(path.relative_to(ROOT))
+    main()

@@ -1,19 +1,68 @@
 #!/usr/bin/env bash
-# Create or refresh .venv at the repository root with everything the project needs.
-# torch 2.13.0 comes first (pip takes the CPU wheel for Python 3.11 from the local disk) so that
-# nothing later pulls a CUDA build.
+# Create or refresh the virtualenv of one supported stack and install what the project needs.
+#
+#   MEGATRON_HCP_STACK=py311 (default)  Python 3.11, torch 2.13.0 (the CPU wheel on this machine's
+#                                       disk), megatron-core 0.16.1                 -> .venv
+#   MEGATRON_HCP_STACK=py312            Python 3.12, torch 2.13.0 from the registry (its CUDA build
+#                                       runs on CPU; ~2.6 GB once), megatron-core 0.19.2 and
+#                                       Megatron-Bridge 0.6.2                        -> .venv-py312
+#
+# Prints the venv directory on stdout (the last line). Everything lives inside the repository;
+# pip's cache is not used for the large py312 download.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-python_bin="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-if [ ! -x .venv/bin/python ]; then
-  "$python_bin" -m venv .venv
+stack="${MEGATRON_HCP_STACK:-py311}"
+
+find_python() {  # find_python 3.12 -> an interpreter of that version (PATH, then pyenv)
+  local want="$1" exe
+  for exe in "python$want" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want"*/bin/python"$want"; do
+    if "$exe" -c "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$want')" \
+        >/dev/null 2>&1; then
+      echo "$exe"
+      return 0
+    fi
+  done
+  echo "setup_env: no Python $want found (on PATH or under pyenv); install it first" >&2
+  return 1
+}
+
+case "$stack" in
+  py311)
+    venv=.venv
+    python_bin="${PYTHON:-$(find_python 3.11)}"
+    ;;
+  py312)
+    venv=.venv-py312
+    python_bin="${PYTHON:-$(find_python 3.12)}"
+    ;;
+  *)
+    echo "setup_env: MEGATRON_HCP_STACK=$stack is not a supported stack; use py311 or py312" >&2
+    exit 2
+    ;;
+esac
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python_bin" -m venv "$venv" >&2
 fi
-stamp=.venv/.megatron-hcp-installed
+stamp="$venv/.megatron-hcp-installed"
 want="$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  pip=("$venv/bin/python" -m pip install -q --no-cache-dir)
+  "${pip[@]}" --upgrade pip >&2
+  # torch first, pinned, so that nothing later pulls another build
+  "${pip[@]}" "torch==2.13.0" >&2
+  if [ "$stack" = py312 ]; then
+    # Megatron-Bridge's declared requirements pull CUDA-only packages (flashinfer, nvidia
+    # resiliency, ...) that cannot run here: install it without them, plus what its training
+    # modules import. Transformer Engine (imported by Bridge's peft module) cannot be installed
+    # without CUDA; tests put an import-only shim in its place (tests/unit/_te_import_shim.py).
+    "${pip[@]}" "megatron-core==0.19.2" >&2
+    "${pip[@]}" --no-deps "megatron-bridge==0.6.2" "nvidia-modelopt==0.47.0" >&2
+    "${pip[@]}" "transformers>=5.8,<=5.12.1" omegaconf datasets megatron-energon requests \
+      "pulp<4" tensorboard >&2
+  fi
+  "${pip[@]}" -e ".[test]" >&2
   echo "$want" > "$stamp"
 fi
+echo "$root/$venv"

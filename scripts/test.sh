@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, then pytest (multi-rank tests run as real gloo processes).
+# The whole test suite of one stack: lint, then pytest (multi-rank tests run as real gloo
+# processes). MEGATRON_HCP_STACK=py311 (default: Python 3.11 + megatron-core 0.16.1) or py312
+# (Python 3.12 + megatron-core 0.19.2 + Megatron-Bridge 0.6.2); see scripts/setup_env.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$root/scripts/setup_env.sh"
+venv="$("$root/scripts/setup_env.sh" | tail -n 1)"
 cd "$root"
-.venv/bin/ruff check megatron_hcp tests benchmarks
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+"$venv/bin/ruff" check megatron_hcp tests benchmarks
+exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile "$@"

@@ -17,11 +17,12 @@ from typing import Any
 import yaml
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..data import data_dir
 from ..training.trainer import TinyGPTSpec, VarLen
 
 __all__ = ["Recipe", "RECIPES_DIR", "list_recipes", "load_recipe"]
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "tests" / "functional" / "test_cases"
+RECIPES_DIR = data_dir("recipes")
 PLATFORM = "cpu_gloo"
 ENVIRONMENT = "dev"
 

@@ -21,7 +21,7 @@ from .registry import Patch, Target, apply, revert
 
 __all__ = ["CPU_RUNTIME_PATCHES", "CpuDeviceTorch", "apply_cpu_runtime", "revert_cpu_runtime"]
 
-VERSIONS = ("0.16.1",)
+VERSIONS = ("0.16.1", "0.19.2")
 _FACTORIES = frozenset(
     "empty zeros ones full tensor as_tensor arange rand randn randint randperm eye linspace "
     "empty_like zeros_like ones_like full_like".split()

@@ -1,10 +1,11 @@
 """Fork-style patches: ``patches/megatron-core-<version>/NNNN-<name>.patch`` as unified diffs.
 
-One diff per named runtime patch (same names as ``megatron-hcp patch list``), applied to a
-Megatron-LM checkout or an installed ``megatron`` package directory with ``git apply`` (atomic:
-all files of all patches, or nothing). ``check`` reports each patch as applied, applicable or
-conflicting; ``apply``/``revert`` refuse a megatron-core version the diffs were not written for
-and refuse to start when any patch conflicts.
+One diff per named runtime patch that a version needs (same names as ``megatron-hcp patch
+list``), applied to a Megatron-LM checkout or an installed ``megatron`` package directory with
+``git apply`` (atomic: all files of all patches, or nothing). ``check`` reports every patch of the
+series for the target's version: applied, applicable or conflicting where a diff was written for
+it, else "fixed upstream in X" or "not written for this version"; ``apply``/``revert`` refuse a
+megatron-core version no diffs were written for and refuse to start when any patch conflicts.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import Patch, PatchError
+from ..data import data_dir
+from .registry import Patch, PatchError, version_key
 
 __all__ = ["SERIES", "PATCHES_DIR", "PatchStatus", "applied_in_source", "apply_diffs",
            "check_diffs", "diff_digest", "megatron_package_dir", "read_header", "revert_diffs",
-           "runtime_digest", "target_root", "target_version"]
+           "runtime_digest", "series_for", "target_root", "target_version"]
 
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+PATCHES_DIR = data_dir("patches")
 
 # the order of the series: CPU runtime first (cpu-schedules-device adds megatron/core/
 # cpu_runtime.py, which the other CPU patches import), then the integration patches
@@ -34,6 +36,13 @@ SERIES: tuple[str, ...] = (
     "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
     "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr",
 )
+
+
+def series_for(version: str) -> list[str]:
+    """The names of the patches ``version`` needs, in series order (each has one diff)."""
+    from . import by_name
+
+    return [p.name for p in by_name(list(SERIES)) if p.needed(version)]
 
 
 def megatron_package_dir() -> Path:
@@ -70,13 +79,13 @@ def _project_sources(obj, seen: set[int]) -> list[str]:
     return out
 
 
-def runtime_digest(patch: Patch) -> str:
-    """Digest of the source of a runtime patch's replacements and of every project function or
-    class they use (what the diff must mirror)."""
+def runtime_digest(patch: Patch, version: str) -> str:
+    """Digest of the source of a runtime patch's replacements on ``version`` and of every project
+    function or class they use (what that version's diff must mirror)."""
     h = hashlib.sha256()
-    h.update(f"{patch.name}|{patch.versions}".encode())
+    h.update(f"{patch.name}|{patch.versions}|{version}".encode())
     seen: set[int] = set()
-    for target in patch.targets:
+    for target in patch.targets_for(version):
         h.update(f"{target.module}:{target.qualname}".encode())
         for source in _project_sources(target.make, seen):
             h.update(source.encode())
@@ -89,7 +98,7 @@ def applied_in_source(patch: Patch) -> bool:
     import importlib
 
     marker = f"megatron-hcp {patch.name}"
-    for module in {t.module for t in patch.targets}:
+    for module in {t.module for t in patch.targets_for()}:
         try:
             source = inspect.getsource(importlib.import_module(module))
         except (ImportError, OSError, TypeError):
@@ -134,13 +143,23 @@ def target_version(root: Path) -> str:
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
 
 
+def diff_versions() -> list[str]:
+    """The megatron-core versions that have fork-style diffs."""
+    return sorted((p.name.removeprefix("megatron-core-") for p in PATCHES_DIR.glob(
+        "megatron-core-*") if p.is_dir() and any(p.glob("*.patch"))), key=version_key)
+
+
 def _series(version: str) -> list[Path]:
+    """The diff files of ``version`` (empty when none were written for it)."""
     folder = PATCHES_DIR / f"megatron-core-{version}"
-    files = sorted(folder.glob("*.patch")) if folder.is_dir() else []
+    return sorted(folder.glob("*.patch")) if folder.is_dir() else []
+
+
+def _require_series(version: str) -> list[Path]:
+    files = _series(version)
     if not files:
-        known = sorted(p.name.removeprefix("megatron-core-") for p in PATCHES_DIR.glob(
-            "megatron-core-*") if p.is_dir())
-        raise PatchError(f"no fork patches for megatron-core {version}; written for {known}")
+        raise PatchError(f"no fork patches for megatron-core {version}; written for "
+                         f"{diff_versions()} (install or check out one of those versions)")
     return files
 
 
@@ -153,23 +172,38 @@ def _git_apply(root: Path, files: list[Path], *args: str) -> subprocess.Complete
 @dataclass(frozen=True)
 class PatchStatus:
     name: str
-    file: Path
-    state: str  # applied | applicable | conflicts
+    file: Path | None  # None: no diff for this version
+    state: str  # applied | applicable | conflicts | fixed upstream in X | not written for ...
     detail: str = ""
+
+    @property
+    def has_diff(self) -> bool:
+        return self.file is not None
 
 
 def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
-    """(version, status of every diff of that version) for a target."""
+    """(version, status of every patch of the series) for a target; never writes.
+
+    Patches with a diff for the target's version are applied, applicable or conflicting; the
+    others are "fixed upstream in X" or "not written for this version".
+    """
+    from . import by_name
+
     root = target_root(path)
     version = target_version(root)
+    files = {read_header(f).get("Patch-Name", f.stem): f for f in _series(version)}
     out = []
-    for file in _series(version):
-        name = read_header(file).get("Patch-Name", file.stem)
+    for patch in by_name(list(SERIES)):
+        file = files.get(patch.name)
+        if file is None:
+            out.append(PatchStatus(patch.name, None, patch.status(version)))
+            continue
         if _git_apply(root, [file], "--check", "-R").returncode == 0:
-            out.append(PatchStatus(name, file, "applied"))
+            out.append(PatchStatus(patch.name, file, "applied"))
             continue
         res = _git_apply(root, [file], "--check")
-        out.append(PatchStatus(name, file, "applicable" if res.returncode == 0 else "conflicts",
+        out.append(PatchStatus(patch.name, file,
+                               "applicable" if res.returncode == 0 else "conflicts",
                                res.stderr.strip()))
     return version, out
 
@@ -177,6 +211,7 @@ def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
 def apply_diffs(path: str | Path) -> list[str]:
     """Apply every not-yet-applied diff in one atomic ``git apply``; return their names."""
     root = target_root(path)
+    _require_series(target_version(root))
     version, statuses = check_diffs(root)
     bad = [s for s in statuses if s.state == "conflicts"]
     if bad:
@@ -194,6 +229,7 @@ def apply_diffs(path: str | Path) -> list[str]:
 def revert_diffs(path: str | Path) -> list[str]:
     """Revert every applied diff (newest first) in one atomic ``git apply -R``."""
     root = target_root(path)
+    _require_series(target_version(root))
     version, statuses = check_diffs(root)
     applied = [s for s in statuses if s.state == "applied"]
     if applied:

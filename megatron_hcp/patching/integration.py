@@ -10,9 +10,10 @@ from ..parallel_state.mpu import destroy_groups, forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
 from .registry import Patch, Target
 
-__all__ = ["INTEGRATION_PATCHES"]
+__all__ = ["INTEGRATION_PATCHES", "mamba_cp_for_group"]
 
-VERSIONS = ("0.16.1",)
+VERSIONS = ("0.16.1", "0.19.2")
+_V16, _V19 = ("0.16.1",), ("0.19.2",)
 _TE = "megatron.core.extensions.transformer_engine"
 
 
@@ -176,25 +177,47 @@ def _make_mtp_forward(original):
     return forward
 
 
+def _make_process_mtp_loss(original):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def process_mtp_loss(*args, **kwargs):
+        """MTP loss with its label rolls over the micro-batch's dynamic CP group."""
+        bound = signature.bind(*args, **kwargs)
+        dynamic, group = _dynamic_group(bound.arguments.get("packed_seq_params"))
+        if dynamic:
+            bound.arguments["cp_group"] = group  # None: megatron's roll_tensor rolls locally
+        return original(*bound.args, **bound.kwargs)
+
+    return process_mtp_loss
+
+
+def mamba_cp_for_group(static: Any, group: Any) -> Any:
+    """A ``MambaContextParallel`` like ``static`` over ``group`` (None: no CP).
+
+    The constructor's other arguments are read from ``static``'s attributes of the same names,
+    so one function serves every megatron-core release (0.16.1 takes ``conv1d_cp1``; 0.19.2
+    ``conv1d_weight_cp1``, ``conv1d_bias_cp1`` and ``conv1d_padding``).
+    """
+    import inspect
+
+    cls = type(static)
+    names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "cp_group")]
+    return cls(cp_group=group if group is not None else NoCPGroup(),
+               **{name: getattr(static, name) for name in names})
+
+
 def _make_mamba_forward(original):
     def forward(self, hidden_states, *args, **kwargs):
         """Run the mixer's CP all-to-alls over the micro-batch's dynamic CP group."""
         dynamic, group = _dynamic_group(kwargs.get("packed_seq_params"))
         if not dynamic:
             return original(self, hidden_states, *args, **kwargs)
-        from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
-
         cache = self.__dict__.setdefault("_hcp_dynamic_cp", {})
         key = id(group)
         if key not in cache:  # per-group state: head split and rank of this rank
-            static = self.cp
-            cache[key] = MambaContextParallel(
-                cp_group=group if group is not None else NoCPGroup(),
-                d_inner_local_tp=static.d_inner_local_tp,
-                nheads_local_tp=static.nheads_local_tp,
-                ngroups_local_tp=static.ngroups_local_tp, d_state=static.d_state,
-                conv1d_cp1=static.conv1d_cp1, dt_bias_cp1=static.dt_bias_cp1,
-                A_log_cp1=static.A_log_cp1, D_cp1=static.D_cp1, D_has_hdim=static.D_has_hdim)
+            cache[key] = mamba_cp_for_group(self.cp, group)
         static = self.cp
         self.cp = cache[key]
         try:
@@ -247,7 +270,8 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         upstream="megatron/core/models/common/language_module/language_module.py:167 "
         "tensor_parallel.vocab_parallel_cross_entropy (reads the global TP group, "
         "tensor_parallel/cross_entropy.py:131,137,151,157)",
-        versions=VERSIONS,
+        versions=_V16,
+        fixed_in="0.19.0",
         targets=(
             Target("megatron.core.models.common.language_module.language_module",
                    "LanguageModule.compute_language_model_loss", _make_lm_loss),
@@ -302,13 +326,19 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         upstream="megatron/core/transformer/multi_token_prediction.py:622,709,716 "
         "MultiTokenPredictionLayer and megatron/core/models/gpt/gpt_model.py:626-638 "
         "(_postprocess, MTP labels) roll with the static cp_group and never look at "
-        "packed_seq_params.cp_group",
+        "packed_seq_params.cp_group; 0.19.2: multi_token_prediction.py:1093-1108 and "
+        "process_mtp_loss (760-852), called with cp_group=self.pg_collection.cp by GPTModel "
+        "(gpt_model.py:711) and HybridModel (hybrid_model.py:583)",
         versions=VERSIONS,
         targets=(
             Target("megatron.core.transformer.multi_token_prediction",
                    "MultiTokenPredictionLayer.forward", _make_mtp_forward),
             Target("megatron.core.models.gpt.gpt_model", "GPTModel._postprocess",
-                   _make_mtp_forward),
+                   _make_mtp_forward, versions=_V16),
+            *(Target(module, "process_mtp_loss", _make_process_mtp_loss, versions=_V19)
+              for module in ("megatron.core.transformer.multi_token_prediction",
+                             "megatron.core.models.gpt.gpt_model",
+                             "megatron.core.models.hybrid.hybrid_model")),
         ),
     ),
     Patch(
@@ -331,7 +361,8 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         upstream="megatron/core/optimizer/optimizer.py:1289-1298 ChainedOptimizer.count_zeros "
         "calls count_zeros_fp32 without tp_group, which then reads the global TP group "
         "(clip_grads.py:222); MegatronOptimizer.count_zeros (226-231) passes it",
-        versions=VERSIONS,
+        versions=_V16,
+        fixed_in="0.19.0",
         targets=(
             Target("megatron.core.optimizer.optimizer", "ChainedOptimizer.count_zeros",
                    _make_count_zeros),
@@ -342,7 +373,8 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         summary="ProcessGroupCollection.__repr__ works when hcp is a list of groups",
         upstream="megatron/core/process_groups_config.py:143-158 __repr__ calls pg.size() on the "
         "hcp list",
-        versions=VERSIONS,
+        versions=_V16,
+        fixed_in="0.18.0",
         targets=(
             Target("megatron.core.process_groups_config", "ProcessGroupCollection.__repr__",
                    _make_pgc_repr),

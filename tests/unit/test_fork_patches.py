@@ -3,35 +3,48 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from megatron_hcp.cli import main as cli_main
 from megatron_hcp.local_world import LocalWorld
-from megatron_hcp.patching import ALL_PATCHES, PatchError
+from megatron_hcp.patching import ALL_PATCHES, PatchError, megatron_core_version
 from megatron_hcp.patching.forkpatch import (
     PATCHES_DIR,
     SERIES,
     apply_diffs,
     check_diffs,
     diff_digest,
+    diff_versions,
     megatron_package_dir,
     read_header,
     revert_diffs,
     runtime_digest,
+    series_for,
 )
 from tests.unit._fork_worker import WORLD, train_with
 
 VERSIONS = sorted({v for p in ALL_PATCHES for v in p.versions})
+INSTALLED = megatron_core_version()
 
 
 # ---------------------------------------------------------------- drift guard
+def test_every_supported_version_has_diffs():
+    assert VERSIONS == diff_versions() == ["0.16.1", "0.19.2"]
+    assert INSTALLED in VERSIONS
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_runtime_patch_has_its_diff_and_nothing_else(version):
     files = sorted((PATCHES_DIR / f"megatron-core-{version}").glob("*.patch"))
     names = [f.name.split("-", 1)[1].removesuffix(".patch") for f in files]
-    assert names == list(SERIES)  # numbered in series order
-    assert sorted(SERIES) == sorted(p.name for p in ALL_PATCHES if version in p.versions)
+    assert names == series_for(version)  # numbered in series order
+    assert sorted(names) == sorted(p.name for p in ALL_PATCHES if p.needed(version))
+    assert set(SERIES) == {p.name for p in ALL_PATCHES}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -42,7 +55,7 @@ def test_diffs_match_the_current_runtime_patches(version):
     for file in sorted((PATCHES_DIR / f"megatron-core-{version}").glob("*.patch")):
         header = read_header(file)
         patch = table[header["Patch-Name"]]
-        assert header["Runtime-Digest"] == runtime_digest(patch), (
+        assert header["Runtime-Digest"] == runtime_digest(patch, version), (
             f"{patch.name}: runtime patch changed since {file.name} was generated")
         assert header["Diff-Digest"] == diff_digest(header["body"]), (
             f"{file.name}: diff edited by hand (digest mismatch)")
@@ -70,13 +83,18 @@ def test_check_apply_revert_round_trip(pristine, tmp_path):
     target = tmp_path / "pkg"
     shutil.copytree(pristine, target)
     before = snapshot(target)
+    series = series_for(INSTALLED)
     version, status = check_diffs(target / "megatron")  # installed-package form of the path
-    assert version == "0.16.1" and {s.state for s in status} == {"applicable"}
-    assert apply_diffs(target) == list(SERIES)
-    assert {s.state for s in check_diffs(target)[1]} == {"applied"}
+    assert version == INSTALLED
+    assert {s.name: s.state for s in status if s.has_diff} == dict.fromkeys(series, "applicable")
+    fixed = {s.name: s.state for s in status if not s.has_diff}
+    assert fixed == {p.name: f"fixed upstream in {p.fixed_in}" for p in ALL_PATCHES
+                     if p.fixed_upstream(INSTALLED)}
+    assert apply_diffs(target) == series
+    assert {s.state for s in check_diffs(target)[1] if s.has_diff} == {"applied"}
     assert apply_diffs(target) == []  # idempotent
     assert (target / "megatron" / "core" / "cpu_runtime.py").is_file()
-    assert revert_diffs(target) == list(reversed(SERIES))
+    assert revert_diffs(target) == list(reversed(series))
     assert snapshot(target) == before  # byte-identical original
 
 
@@ -85,9 +103,13 @@ def test_refuses_other_versions_and_conflicts_atomically(pristine, tmp_path):
     shutil.copytree(pristine, target)
     info = target / "megatron" / "core" / "package_info.py"
     original = info.read_text()
-    info.write_text(original.replace("MINOR = 16", "MINOR = 15"))
-    with pytest.raises(PatchError, match="no fork patches for megatron-core 0.15.1"):
+    minor = INSTALLED.split(".")[1]
+    info.write_text(original.replace(f"MINOR = {minor}", "MINOR = 15"))
+    other = f"0.15.{INSTALLED.split('.')[2]}"
+    with pytest.raises(PatchError, match=f"no fork patches for megatron-core {other}"):
         apply_diffs(target)
+    with pytest.raises(PatchError, match=f"no fork patches for megatron-core {other}"):
+        revert_diffs(target)
     info.write_text(original)
     # a local edit where one diff lands: that diff conflicts, nothing at all is applied
     attention = target / "megatron" / "core" / "transformer" / "attention.py"
@@ -103,6 +125,50 @@ def test_refuses_other_versions_and_conflicts_atomically(pristine, tmp_path):
     assert snapshot(target) == before
     with pytest.raises(PatchError, match="neither a Megatron-LM checkout"):
         check_diffs(tmp_path)
+
+
+# every megatron-core release on the package index from the oldest to the newest supported one
+RELEASES = ("0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """Each release's ``megatron`` package, unpacked from its wheel on the package index."""
+    out = {}
+    for version in RELEASES:
+        where = tmp_path_factory.mktemp(f"mcore-{version}")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--no-cache-dir", "--only-binary=:all:", "--python-version", "3.12",
+                        "-d", str(where), f"megatron-core=={version}"], check=True)
+        (wheel,) = where.glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(where / "src", [n for n in zf.namelist() if n.startswith("megatron/")])
+        out[version] = where / "src"
+    return out
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_check_reports_every_release_and_writes_nothing(releases, version, capsys):
+    root = releases[version]
+    before = snapshot(root)
+    assert cli_main(["patch", "check", "--target", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"megatron-core {version} at {root}"
+    states = dict(line.split(None, 1) for line in out.splitlines()[1:])
+    assert len(states) == len(SERIES)
+    for patch in ALL_PATCHES:
+        label = next(k for k in states if patch.name in k)
+        if patch.fixed_upstream(version):
+            assert states[label] == f"fixed upstream in {patch.fixed_in}"
+        elif version in VERSIONS:
+            assert states[label] == "applicable", (patch.name, states[label])
+        else:
+            assert states[label] == "not written for this version"
+    if version not in VERSIONS:  # apply and revert refuse it
+        for command in ("apply", "revert"):
+            assert cli_main(["patch", command, "--target", str(root)]) == 2
+            assert "no fork patches for megatron-core" in capsys.readouterr().err
+    assert snapshot(root) == before
 
 
 # ---------------------------------------------------------------- equality of the two forms

@@ -16,12 +16,13 @@ from megatron_hcp.patching import (
     is_applied,
     revert,
 )
-from megatron_hcp.patching.registry import Target, _raw
+from megatron_hcp.patching.registry import Target, _raw, megatron_core_version
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only behaviour")
 
-
-HERE = [p for p in ALL_PATCHES if not p.missing_requirement()]
+INSTALLED = megatron_core_version()
+HERE = [p for p in ALL_PATCHES if p.needed() and not p.missing_requirement()]
+FIXED_HERE = {p.name for p in ALL_PATCHES if p.fixed_upstream()}
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def clean():
 def snapshot(patches):
     out = []
     for patch in patches:
-        for target in patch.targets:
+        for target in patch.targets_for():
             owner, attr = target.owner_and_attr()
             out.append(_raw(owner, attr))
     return out
@@ -42,7 +43,10 @@ def snapshot(patches):
 
 def test_every_patch_applies_and_reverts_to_the_identical_original(clean):
     assert {p.name for p in ALL_PATCHES} - {p.name for p in HERE} == {
-        "te-attention-hcp", "mamba-dynamic-cp-group"}  # need TE / triton + mamba_ssm
+        "te-attention-hcp", "mamba-dynamic-cp-group", *FIXED_HERE}  # TE / triton + mamba_ssm
+    assert FIXED_HERE == ({"cross-entropy-model-tp-group", "pg-collection-repr",
+                           "chained-optimizer-count-zeros-tp-group"}
+                          if INSTALLED == "0.19.2" else set())
     before = snapshot(HERE)
     assert apply(HERE) == [p.name for p in HERE]
     assert all(is_applied(p) for p in HERE)
@@ -63,19 +67,37 @@ def test_te_patch_refused_clearly_without_te(clean):
 
 @pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
 def test_refused_on_other_versions_without_changing_anything(clean, patch):
-    if patch.missing_requirement():  # the version gate comes first, TE or not
-        with pytest.raises(PatchError, match="written for megatron-core 0.16.1, not 0.19.2"):
-            apply([patch], version="0.19.2")
+    written = f"written for megatron-core {', '.join(patch.versions)}, not 0.17.1"
+    if patch.missing_requirement() or not patch.needed():  # the version gate comes first
+        with pytest.raises(PatchError, match=written):
+            apply([patch], version="0.17.1")
         return
     before = snapshot([patch])
-    with pytest.raises(PatchError, match="written for megatron-core 0.16.1, not 0.19.2"):
-        apply([patch], version="0.19.2")
+    with pytest.raises(PatchError, match=written):
+        apply([patch], version="0.17.1")
     assert all(a is b for a, b in zip(before, snapshot([patch])))
     assert patch.upstream and patch.summary
 
 
+@pytest.mark.parametrize("patch", [p for p in ALL_PATCHES if p.fixed_in], ids=lambda p: p.name)
+def test_fixed_upstream_is_skipped_and_says_so(clean, patch):
+    assert patch.status(patch.fixed_in) == f"fixed upstream in {patch.fixed_in}"
+    assert patch.status("0.19.2") == f"fixed upstream in {patch.fixed_in}"
+    assert patch.status("0.16.1") == "written for this version"
+    assert not patch.needed("0.19.2") and patch.needed("0.16.1")
+    if INSTALLED == "0.19.2":
+        before = snapshot([patch])
+        assert apply([patch]) == []  # nothing to do: upstream has the fix
+        assert all(a is b for a, b in zip(before, snapshot([patch])))
+
+
+def test_versions_that_are_no_versions_are_refused(clean):
+    with pytest.raises(PatchError, match="'banana9' is not a megatron-core version"):
+        apply(HERE[:1], version="banana9")
+
+
 def test_apply_is_all_or_nothing(clean):
-    broken = Patch("broken", "missing target", "nowhere", ("0.16.1",),
+    broken = Patch("broken", "missing target", "nowhere", (INSTALLED,),
                    (Target("megatron.core.utils", "does_not_exist", lambda o: o),))
     before = snapshot(CPU_RUNTIME_PATCHES)
     with pytest.raises(PatchError, match="does_not_exist does not exist"):
@@ -155,10 +177,11 @@ def test_pg_collection_repr_with_hcp_list(clean):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgc = ProcessGroupCollection(cp=FakeGroup(4, 0), hcp=[FakeGroup(2, 0), FakeGroup(2, 0)])
-    with pytest.raises(AttributeError):
-        repr(pgc)
-    apply(by_name(["pg-collection-repr"]))
-    assert repr(pgc) == "ProcessGroupCollection(cp(4), hcp([2, 2]))"
+    if by_name(["pg-collection-repr"])[0].needed():
+        with pytest.raises(AttributeError):
+            repr(pgc)
+    apply(by_name(["pg-collection-repr"]))  # a no-op where upstream fixed it (0.18.0+)
+    assert "cp(4)" in repr(pgc) and "hcp([2, 2])" in repr(pgc)
 
 
 def test_cli_patch_list(clean, capsys):
@@ -166,6 +189,11 @@ def test_cli_patch_list(clean, capsys):
     assert cli_main(["patch", "list", "-v"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("pg-collection-repr"))
-    assert " yes " in line and "0.16.1" in line
+    assert out.splitlines()[0] == f"megatron-core {INSTALLED}"
+    if INSTALLED == "0.16.1":
+        assert line.split()[3:5] == ["yes", "yes"]  # needed, applied
+    else:
+        assert line.split()[3:5] == ["no", "n/a"]
+        assert f"megatron-core {INSTALLED}: fixed upstream in 0.18.0" in out
     assert "upstream: megatron/core/process_groups_config.py" in out
     assert all(p.name in out for p in ALL_PATCHES)
