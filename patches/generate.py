@@ -184,8 +184,9 @@ EDITS: dict[str, list] = {
          "    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):\n"
          '        """Vocab parallel cross entropy forward function."""\n',
          "    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):\n"
-         '        """Vocab parallel cross entropy forward function (megatron-hcp\n'
-         '        cross-entropy-model-tp-group: over ``tp_group``, default the MPU TP group)."""\n'
+         '        """Vocab parallel cross entropy forward function.\n\n'
+         '        megatron-hcp cross-entropy-model-tp-group: over ``tp_group`` (default: MPU TP).\n'
+         '        """\n'
          "        if tp_group is None:\n"
          "            tp_group = get_tensor_model_parallel_group()\n"),
         ("megatron/core/tensor_parallel/cross_entropy.py",

@@ -2,8 +2,13 @@
 
 Built like Megatron-Bridge's ``_create_pg_collection``: megatron-core ``HyperCommGrid`` over
 ``[tp, cp, dp, pp]`` for the dense groups and ``[etp, ep, edp, pp]`` for the expert groups, the
-embedding groups from the PP enumeration. ``hcp`` comes from a second grid that splits ``cp`` into
-its levels, ``[tp, a2a, p2p, dp, pp]`` (megatron-core 0.16 has no grid views), innermost first.
+embedding groups from the PP enumeration. ``hcp`` comes from a factorization that splits ``cp``
+into its levels, ``[tp, a2a, p2p, dp, pp]``, innermost first: a registered view of the one dense
+grid where megatron-core has grid views (0.19: ``HyperCommGrid.register_view``, so the grid can be
+saved with ``save_grid``), else a second grid over the same ranks (0.16). Every field the
+installed megatron-core's ``ProcessGroupCollection`` declares is set like the MPU path sets it
+(0.19's ``gtp_remat`` groups are one rank each, ``*_gtp_remat`` equal their plain groups,
+``*_ag`` are None).
 
 Before any group is created, every grid enumeration is checked against
 :class:`~megatron_hcp.parallel_state.layout.ParallelLayout` (the single source of the rank
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +31,8 @@ from ..dynamic_cp.groups import create_dynamic_cp_groups
 from ..parallel_state.layout import ParallelLayout
 from ..parallel_state.report import describe_cp_groups
 
-__all__ = ["LayoutDisagreementError", "create_pg_collection", "destroy_pg_collection"]
+__all__ = ["LayoutDisagreementError", "create_pg_collection", "create_pg_collection_and_grid",
+           "destroy_pg_collection", "grid_views_available"]
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -67,7 +74,35 @@ def _embedding_groups(pp_groups, get_embedding_ranks, get_position_embedding_ran
     return embd, pos
 
 
-def create_pg_collection(
+def create_pg_collection(config: CPConfig, **kwargs: Any):
+    """Every group of the decentralized path for ``config``; see
+    :func:`create_pg_collection_and_grid` for the arguments."""
+    return create_pg_collection_and_grid(config, **kwargs)[0]
+
+
+def grid_views_available() -> bool:
+    """megatron-core's HyperCommGrid can register views (0.19+): one grid describes HCP."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    return hasattr(HyperCommGrid, "register_view")
+
+
+def _hcp_levels(HyperCommGrid, grid, shape: list[int], grid_kwargs: dict):
+    """(rank enumeration of a level dim, group factory of a level dim, grid holding the view).
+
+    A view of ``grid`` where grid views exist (megatron-core 0.19+), else a second grid.
+    """
+    names = ["tp", "a2a", "p2p", "dp", "pp"]
+    if grid_views_available():
+        grid.register_view("hcp", shape, names, shared_dims=["tp", "dp", "pp"])
+        return (lambda dim: grid.get_rank_enum([dim], view="hcp"),
+                lambda dim, **kw: grid.create_pg([dim], view="hcp", **kw), True)
+    levels = HyperCommGrid(shape, names, **grid_kwargs)
+    return (lambda dim: levels.get_rank_enum([dim]),
+            lambda dim, **kw: levels.create_pg([dim], **kw), False)
+
+
+def create_pg_collection_and_grid(
     config: CPConfig,
     *,
     expert_model_parallel_size: int = 1,
@@ -81,7 +116,9 @@ def create_pg_collection(
     get_embedding_ranks: Callable | None = None,
     get_position_embedding_ranks: Callable | None = None,
 ):
-    """Every group of the decentralized path for ``config``; ``hcp`` set for a2a+p2p.
+    """(collection, grid): every group of the decentralized path for ``config`` (``hcp`` set for
+    a2a+p2p) and the dense ``HyperCommGrid`` when it alone describes the collection (None when
+    ``hcp`` needed a second grid: megatron-core without grid views).
 
     ``world_size`` ranks starting at ``rank_offset`` form the grid (default: the whole world
     from 0), so several grids can share one world. ``timeout``/``pg_options`` go to every group,
@@ -111,8 +148,11 @@ def create_pg_collection(
     grid = HyperCommGrid([tp, cp, dp, pp], ["tp", "cp", "dp", "pp"], **grid_kwargs)
     expert = HyperCommGrid([etp, ep, world // (etp * ep * pp), pp], ["tp", "ep", "dp", "pp"],
                            **grid_kwargs)
-    levels = HyperCommGrid([tp, *hcp_sizes, dp, pp], ["tp", "a2a", "p2p", "dp", "pp"],
-                           **grid_kwargs) if hcp_sizes else None
+    level_enum = make_level = None
+    single_grid = True
+    if hcp_sizes:
+        level_enum, make_level, single_grid = _hcp_levels(
+            HyperCommGrid, grid, [tp, *hcp_sizes, dp, pp], grid_kwargs)
 
     # ---- pure checks (no collective yet): grid enumerations equal the MPU layout
     for name, dims in _DENSE.items():
@@ -120,9 +160,9 @@ def create_pg_collection(
                ordered=len(dims) == 1)
     for name, dims in _EXPERT.items():
         _check(name, expert.get_rank_enum(dims), layout.groups[name], ordered=len(dims) == 1)
-    if levels is not None:
+    if level_enum is not None:
         for level, dim in enumerate(("a2a", "p2p")):
-            _check(f"hcp[{level}]", levels.get_rank_enum([dim]), layout.hcp[level], ordered=True)
+            _check(f"hcp[{level}]", level_enum(dim), layout.hcp[level], ordered=True)
 
     kwargs: dict[str, Any] = {}
     if timeout is not None:
@@ -142,7 +182,7 @@ def create_pg_collection(
         groups[name], _ = dist.new_subgroups_by_enumeration(rank_lists, backend=backend,
                                                             **kwargs)
     hcp = None
-    if levels is not None:
+    if make_level is not None:
         options = (list(hcp_pg_options) if isinstance(hcp_pg_options, (list, tuple))
                    else [hcp_pg_options] * 2)
         hcp = []
@@ -150,15 +190,24 @@ def create_pg_collection(
             level_kwargs = dict(kwargs)
             if options[level] is not None:
                 level_kwargs["pg_options"] = options[level]
-            hcp.append(levels.create_pg([dim], group_desc=f"HIERARCHICAL_CONTEXT_PARALLEL_L{level}",
-                                        **level_kwargs))
+            hcp.append(make_level(dim, group_desc=f"HIERARCHICAL_CONTEXT_PARALLEL_L{level}",
+                                  **level_kwargs))
+    # one distributed-optimizer instance spans the grid (as the MPU path builds it)
+    groups["intra_dist_opt"] = dist.new_group(list(range(rank_offset, rank_offset + world)),
+                                              backend=backend, **kwargs)
+    declared = {f.name for f in fields(ProcessGroupCollection)}
+    if "gtp_remat" in declared:  # megatron-core 0.19+: weight-rematerialization axes of size 1
+        groups["gtp_remat"], _ = dist.new_subgroups_by_enumeration(
+            [[r] for r in range(rank_offset, rank_offset + world)], backend=backend, **kwargs)
+        groups.update(expt_gtp_remat=groups["gtp_remat"], dp_cp_gtp_remat=groups["dp_cp"],
+                      expt_dp_gtp_remat=groups["expt_dp"],
+                      tp_ep_pp_with_egtp_remat=groups["tp_ep_pp"], dp_cp_ag=None, expt_dp_ag=None)
     collection = ProcessGroupCollection(
-        **groups,
+        **{k: v for k, v in groups.items() if k in declared},
         hcp=hcp,
         intra_dp_cp=groups["dp_cp"],
         intra_expt_dp=groups["expt_dp"],
         inter_dist_opt=None,
-        intra_dist_opt=None,
     )
     if config.dynamic_context_parallel:
         # not a ProcessGroupCollection field in megatron-core 0.16: an extra attribute, read
@@ -169,13 +218,11 @@ def create_pg_collection(
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(layout):
             logger.info(line)
-    return collection
+    return collection, (grid if single_grid else None)
 
 
 def destroy_pg_collection(collection: Any) -> None:
     """Destroy every process group of a collection built by :func:`create_pg_collection`."""
-    from dataclasses import fields
-
     from ..parallel_state.mpu import destroy_groups
 
     groups = []

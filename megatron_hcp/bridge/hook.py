@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..attention.module import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
-from .collection import create_pg_collection
+from .collection import create_pg_collection_and_grid, grid_views_available
 
 __all__ = [
     "BridgeHookError",
@@ -169,14 +169,15 @@ def _make_create_pg_collection(original: Callable, module: Any) -> Callable:
                 "num_distributed_optimizer_instances", num_distributed_optimizer_instances,
                 "hierarchical CP on the decentralized path builds one distributed-optimizer "
                 "instance", "set ddp.num_distributed_optimizer_instances=1"))
-        if save_grid:
+        if save_grid and not grid_views_available():
             problems.append(Violation(
-                "save_grid", save_grid, "the HCP collection is built from two HyperCommGrids "
-                "(megatron-core 0.16 has no grid views); there is no single grid to save",
-                "call without save_grid"))
+                "save_grid", save_grid, "with hierarchical CP this megatron-core (no "
+                "HyperCommGrid.register_view, added in 0.19) needs a second grid for the HCP "
+                "levels; there is no single grid to save",
+                "call without save_grid, or use megatron-core >= 0.19"))
         if problems:
             raise CPConfigError(problems)
-        return create_pg_collection(
+        collection, grid = create_pg_collection_and_grid(
             config,
             expert_model_parallel_size=int(
                 getattr(model_config, "expert_model_parallel_size", 1) or 1),
@@ -186,6 +187,9 @@ def _make_create_pg_collection(original: Callable, module: Any) -> Callable:
             get_embedding_ranks=get_embedding_ranks,
             get_position_embedding_ranks=get_position_embedding_ranks,
         )
+        if save_grid:  # as Bridge does: the grid goes on the config (its "hcp" view included)
+            model_config.grid = grid
+        return collection
 
     return _create_pg_collection
 

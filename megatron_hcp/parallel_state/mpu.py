@@ -247,22 +247,12 @@ def destroy_model_parallel() -> None:
 
 
 def mpu_groups_by_field() -> dict[str, Any]:
-    """megatron's initialized MPU groups, keyed by ``ProcessGroupCollection`` field name
-    (to compare a decentralized collection with the MPU path)."""
-    from megatron.core import parallel_state as ps
+    """megatron's initialized MPU groups, keyed by every ``ProcessGroupCollection`` field of the
+    installed megatron-core (upstream's own mapping; to compare a decentralized collection with
+    the MPU path)."""
+    from dataclasses import fields
 
-    return {
-        "tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
-        "mp": ps.get_model_parallel_group(),
-        "tp_cp": ps.get_tensor_and_context_parallel_group(),
-        "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-        "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-        "ep": ps.get_expert_model_parallel_group(),
-        "expt_tp": ps.get_expert_tensor_parallel_group(),
-        "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
-        "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
-        "expt_dp": ps.get_expert_data_parallel_group(),
-        "embd": ps.get_embedding_group(check_initialized=False),
-        "pos_embd": ps.get_position_embedding_group(check_initialized=False),
-    }
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    return {f.name: getattr(pgc, f.name, None) for f in fields(pgc)}

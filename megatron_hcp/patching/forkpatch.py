@@ -92,18 +92,30 @@ def runtime_digest(patch: Patch, version: str) -> str:
     return h.hexdigest()[:16]
 
 
-def applied_in_source(patch: Patch) -> bool:
-    """True when every target module's source carries the fork diff's ``megatron-hcp <name>``
-    marker (megatron-core patched with ``patches/`` instead of at run time)."""
-    import importlib
+def _diff_files(body: str) -> list[tuple[str, bool]]:
+    """(path, is a new file) of every file a diff body touches."""
+    out = []
+    for block in re.split(r"^diff --git ", body, flags=re.M)[1:]:
+        path = block.split()[0].removeprefix("a/")
+        out.append((path, "\nnew file mode" in block.split("\n@@", 1)[0]))
+    return out
 
+
+def applied_in_source(patch: Patch) -> bool:
+    """True when the imported megatron-core carries this patch's fork diff (megatron-core
+    patched with ``patches/`` instead of at run time): every file the installed version's diff
+    edits holds its ``megatron-hcp <name>`` marker, every file it adds exists."""
+    from .registry import megatron_core_version
+
+    version = megatron_core_version()
+    files = [f for f in _series(version) if read_header(f).get("Patch-Name") == patch.name]
+    if not files:
+        return False
+    root = megatron_package_dir().parent
     marker = f"megatron-hcp {patch.name}"
-    for module in {t.module for t in patch.targets_for()}:
-        try:
-            source = inspect.getsource(importlib.import_module(module))
-        except (ImportError, OSError, TypeError):
-            return False
-        if marker not in source:
+    for path, new in _diff_files(read_header(files[0])["body"]):
+        file = root / path
+        if not file.is_file() or (not new and marker not in file.read_text(encoding="utf-8")):
             return False
     return True
 

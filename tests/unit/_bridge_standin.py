@@ -24,30 +24,14 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 import torch.distributed as dist
+
+from ._bridge import RecordingTEAttention  # noqa: F401  (the TE stand-in both Bridges drive)
 
 NAMES = ("megatron.bridge", "megatron.bridge.training", "megatron.bridge.models",
          "megatron.bridge.training.initialize", "megatron.bridge.models.gpt_provider",
          "megatron.bridge.training.eval_context_parallel_rebinding",
          "megatron.bridge.training.model_load_save", "megatron.bridge.diffusion_pipeline")
-
-
-class RecordingTEAttention(torch.nn.Module):
-    """Records ``set_context_parallel_group`` calls like TE's DotProductAttention would see."""
-
-    cp_stream = object()  # class-wide, as in TE (no CUDA stream on CPU)
-
-    def __init__(self, layer_number: int = 1):
-        super().__init__()
-        self.layer_number = layer_number
-        self.cp_comm_type = "p2p"
-        self.calls: list = []
-
-    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
-                                   cp_comm_type="p2p"):
-        self.cp_comm_type = cp_comm_type
-        self.calls.append((cp_group, cp_global_ranks, cp_comm_type))
 
 
 class _UnavailableMeta(type):

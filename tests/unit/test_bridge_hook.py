@@ -1,89 +1,112 @@
-"""megatron_hcp.bridge.install() against a stand-in with Bridge's signatures (single process).
+"""megatron_hcp.bridge.install() against Megatron-Bridge (single process).
 
-The multi-rank half (hooked collection equals the MPU path; TE modules get ``hcp`` back after
-Bridge's flat rebinding) is in test_decentralized.py, which has the 8-rank world.
+Python 3.12 leg: the installed Megatron-Bridge 0.6.2; Python 3.11 leg: the stand-in (see
+tests/unit/_bridge.py for which shims each uses and why). The multi-rank half (hooked collection
+equals the MPU path; TE modules get ``hcp`` back after Bridge's flat rebinding) is in
+test_decentralized.py, which has the 8-rank world.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from megatron_hcp.bridge import hook
 from megatron_hcp.config import CPConfig, CPConfigError
 
-from . import _bridge_standin as standin
+from . import _bridge
+
+
+def model_config(**fields) -> SimpleNamespace:
+    """The fields of a Bridge model config that the wrapped function reads."""
+    return SimpleNamespace(**{"expert_tensor_parallel_size": None,
+                              "expert_model_parallel_size": 1, **fields})
 
 
 @pytest.fixture
 def bridge():
-    mods = standin.install_standin()
+    mods = _bridge.load()
     yield mods
-    standin.remove_standin()
+    _bridge.release()
 
 
-def test_without_bridge_install_says_so():
-    assert "megatron.bridge" not in sys.modules
+def test_without_bridge_install_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # not importable
     with pytest.raises(hook.BridgeNotInstalledError, match="Megatron-Bridge is not installed"):
         hook.install()
     assert not hook.installed()
 
 
+def test_the_leg_runs_the_bridge_it_should(bridge):
+    """3.12: Bridge's own modules (not the stand-in); 3.11: the stand-in."""
+    init = bridge["initialize"]
+    assert init.__name__ == "megatron.bridge.training.initialize"
+    assert (getattr(init, "__file__", None) is not None) == _bridge.REAL
+    if _bridge.REAL:
+        from importlib.metadata import version
+
+        assert version("megatron-bridge") == "0.6.2"
+
+
 def test_install_is_idempotent_and_reversible(bridge):
     init, mls = bridge["initialize"], bridge["model_load_save"]
-    originals = (init._create_pg_collection, standin.GPTModelProvider.provide,
+    provider = _bridge.provider_class(bridge)
+    originals = (init._create_pg_collection, provider.provide,
                  mls.load_megatron_model,
                  bridge["eval_context_parallel_rebinding"].install_pg_collection)
-    hcp_cfg = standin.SimpleNamespace(hierarchical_context_parallel_sizes=[2, 2])
+    hcp_cfg = model_config(hierarchical_context_parallel_sizes=[2, 2])
     with pytest.raises(NotImplementedError):  # Bridge without the hook
         init._create_pg_collection(hcp_cfg, 1)
     hook.install()
     wrapped = init._create_pg_collection
     assert hook.installed() and wrapped is not originals[0]
     assert wrapped.__wrapped__ is originals[0]
-    assert bridge["diffusion_pipeline"]._load_megatron_model is mls.load_megatron_model
+    assert bridge["by_value"]._load_megatron_model is mls.load_megatron_model
     hook.install()  # again: nothing wrapped twice
     assert init._create_pg_collection is wrapped
     hook.uninstall()
     assert not hook.installed()
-    assert (init._create_pg_collection, standin.GPTModelProvider.provide,
+    assert (init._create_pg_collection, provider.provide,
             mls.load_megatron_model,
             bridge["eval_context_parallel_rebinding"].install_pg_collection) == originals
-    assert bridge["diffusion_pipeline"]._load_megatron_model is originals[2]
+    assert bridge["by_value"]._load_megatron_model is originals[2]
     with pytest.raises(NotImplementedError):  # Bridge's own behaviour is back
         init._create_pg_collection(hcp_cfg, 1)
     hook.uninstall()  # no-op
 
 
-def test_a_different_bridge_is_refused_and_nothing_changes():
+def test_a_different_bridge_is_refused_and_nothing_changes(bridge, monkeypatch):
     def changed(config, instances):  # not Bridge's signature
         return None
 
-    mods = standin.install_standin(create_pg_collection=changed)
-    try:
-        provide = standin.GPTModelProvider.provide
-        with pytest.raises(hook.BridgeHookError, match="_create_pg_collection"):
-            hook.install()
-        assert standin.GPTModelProvider.provide is provide  # atomic: nothing patched
-        assert mods["initialize"]._create_pg_collection is changed
-    finally:
-        standin.remove_standin()
+    monkeypatch.setattr(bridge["initialize"], "_create_pg_collection", changed)
+    provider = _bridge.provider_class(bridge)
+    provide = provider.provide
+    with pytest.raises(hook.BridgeHookError, match="_create_pg_collection"):
+        hook.install()
+    assert provider.provide is provide  # atomic: nothing patched
+    assert bridge["initialize"]._create_pg_collection is changed
 
 
 def test_configs_without_hcp_go_to_bridge_unchanged(bridge):
     hook.install()
-    cfg = standin.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=4,
-                                  cp_comm_type="p2p", hierarchical_context_parallel_sizes=None)
-    out = bridge["initialize"]._create_pg_collection(cfg, 1, world_size=8, rank_offset=8)
-    assert out == ("bridge", 8, 8, False)
+    cfg = model_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       context_parallel_size=4, cp_comm_type="p2p",
+                       hierarchical_context_parallel_sizes=None)
+    if _bridge.REAL:  # Bridge's own function runs (its own check, before its NCCL grids)
+        with pytest.raises(RuntimeError, match=r"world_size \(7\) is not divisible by 4"):
+            bridge["initialize"]._create_pg_collection(cfg, 1, world_size=7, rank_offset=8)
+    else:
+        out = bridge["initialize"]._create_pg_collection(cfg, 1, world_size=8, rank_offset=8)
+        assert out == ("bridge", 8, 8, False)
 
 
 def test_hcp_configs_are_validated_before_any_group(bridge):
     hook.install()
-    cfg = standin.SimpleNamespace(
+    cfg = model_config(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
         cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 3])
     with pytest.raises(CPConfigError, match="hierarchical_context_parallel_sizes"):
@@ -95,12 +118,13 @@ def test_hcp_configs_are_validated_before_any_group(bridge):
 
 # ------------------------------------------------------------- load_megatron_model decision
 @pytest.fixture
-def checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=4,
-        cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
-        num_attention_heads=8, num_query_groups=4, num_layers=2)))
-    return tmp_path
+def checkpoint(bridge, tmp_path, monkeypatch):
+    _bridge.build_recorder(bridge, monkeypatch)
+    return _bridge.write_checkpoint(
+        tmp_path, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+        context_parallel_size=4, cp_comm_type="a2a+p2p",
+        hierarchical_context_parallel_sizes=[2, 2], num_attention_heads=8, num_query_groups=4,
+        num_layers=2)
 
 
 def test_load_restores_the_checkpoints_sizes_when_cp_matches(bridge, checkpoint, caplog):
@@ -115,7 +139,7 @@ def test_load_restores_the_checkpoints_sizes_when_cp_matches(bridge, checkpoint,
     assert cfg.hierarchical_context_parallel_sizes == [2, 2]
     assert "restored" in caplog.text
     # the by-value importer gets the same decision
-    cfg = bridge["diffusion_pipeline"]._load_megatron_model(
+    cfg = bridge["by_value"]._load_megatron_model(
         str(checkpoint), mp_overrides={"context_parallel_size": 4})
     assert cfg.hierarchical_context_parallel_sizes == [2, 2]
 

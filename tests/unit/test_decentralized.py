@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 
 WORLD = 8
-FIELDS_ORDERED = ["tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp"]
-FIELDS_SETS = ["mp", "tp_cp", "tp_dp_cp", "dp_cp", "tp_ep", "tp_ep_pp", "embd", "pos_embd"]
+# fields whose rank order matters (positions in the group); every other field is compared as a
+# set of members. Every field the installed ProcessGroupCollection declares is compared.
+FIELDS_ORDERED = {"tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp", "gtp_remat",
+                  "expt_gtp_remat"}
 
 
 def _config(tp, cp, pp, hcp, world=WORLD):
@@ -27,24 +29,26 @@ def _members(group):
     return dist.get_process_group_ranks(group) if group is not None else None
 
 
-def _hooked_collection(tp, cp, pp, hcp):
-    """Through megatron_hcp's hook around (a stand-in of) Bridge's _create_pg_collection."""
+def _hooked_collection(tp, cp, pp, hcp, save_grid=False):
+    """Through megatron_hcp's hook around Bridge's _create_pg_collection (the installed Bridge
+    on the Python 3.12 leg, the stand-in on 3.11: see _bridge.py)."""
     from types import SimpleNamespace
 
     from megatron_hcp.bridge.hook import install
 
-    from . import _bridge_standin as standin
+    from . import _bridge
 
-    mods = standin.install_standin()
+    mods = _bridge.load()
     install()
     cfg = SimpleNamespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=hcp,
         expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     try:
-        return mods["initialize"]._create_pg_collection(cfg, 1)
+        pgc = mods["initialize"]._create_pg_collection(cfg, 1, save_grid=save_grid)
+        return (pgc, getattr(cfg, "grid", None)) if save_grid else pgc
     finally:
-        standin.remove_standin()
+        _bridge.release()
 
 
 def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
@@ -74,9 +78,10 @@ def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
     try:
         mpu = mpu_groups_by_field()
         diffs = []
-        for name in FIELDS_ORDERED + FIELDS_SETS:
+        assert len(mpu) >= 20, sorted(mpu)  # 0.16.1 declares 20 fields, 0.19.2 27
+        for name in sorted(set(mpu) - {"hcp"}):
             a, b = _members(getattr(ours, name)), _members(mpu[name])
-            if name in FIELDS_SETS and a is not None and b is not None:
+            if name not in FIELDS_ORDERED and a is not None and b is not None:
                 a, b = sorted(a), sorted(b)
             if a != b:
                 diffs.append((name, a, b))
@@ -131,14 +136,77 @@ def test_bridge_hook_collection_equals_the_mpu_path(world, tp, cp, pp, hcp):
                for line in results[0][1])
 
 
-def bridge_rebinding():
-    """Bridge's provide / install_pg_collection hand TE the flat group; the hook restores hcp."""
+def _provider(mods, pgc, monkeypatch_like):
+    """Bridge's GPTModelProvider for TP2 x CP4 a2a+p2p [2, 2] whose model is two TE attention
+    modules (recording stand-ins: TE cannot run here)."""
     import torch.nn as nn
 
+    from . import _bridge
+    from . import _bridge_standin as standin
+
+    def build():
+        return nn.Sequential(_bridge.RecordingTEAttention(1), _bridge.RecordingTEAttention(2))
+
+    if not _bridge.REAL:
+        return standin.GPTModelProvider(cp_comm_type="a2a+p2p", context_parallel_size=4,
+                                        _pg_collection=pgc, build=build)
+    from megatron.core.transformer import ModuleSpec
+
+    from megatron_hcp.patching.cpu_runtime import CpuDeviceTorch
+
+    gp = mods["gpt_provider"]
+    # the TE full-layer model cannot be built without CUDA: the model class returns the two
+    # recording modules; Bridge's provide (config, flags, its rebinding loop) runs as shipped,
+    # with a CPU view of torch (torch.cuda.Stream() has no device here)
+    monkeypatch_like(gp, "MCoreGPTModel", lambda *args, **kwargs: build())
+    monkeypatch_like(gp, "torch", CpuDeviceTorch(gp.torch))
+    provider = gp.GPTModelProvider(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+        tensor_model_parallel_size=2, context_parallel_size=4, cp_comm_type="a2a+p2p",
+        hierarchical_context_parallel_sizes=[2, 2], vocab_size=128, seq_length=64,
+        use_transformer_engine_full_layer_spec=True,
+        transformer_layer_spec=ModuleSpec(module=nn.Identity))
+    provider._pg_collection = pgc
+    return provider
+
+
+def hooked_save_grid():
+    """save_grid=True with HCP through the hook: the one grid (with its hcp view) on the config
+    where megatron-core has grid views; a named refusal where it does not."""
+    from megatron_hcp.bridge.collection import destroy_pg_collection, grid_views_available
+    from megatron_hcp.config import CPConfigError
+
+    try:
+        pgc, grid = _hooked_collection(2, 4, 1, [2, 2], save_grid=True)
+    except CPConfigError as err:
+        return {"views": grid_views_available(), "error": str(err)}
+    try:
+        return {"views": grid_views_available(), "grid": type(grid).__name__,
+                "hcp": [_members(g) for g in pgc.hcp],
+                "view": [grid.get_rank_enum([d], view="hcp") for d in ("a2a", "p2p")]}
+    finally:
+        destroy_pg_collection(pgc)
+
+
+def test_save_grid_with_hcp(world):
+    from megatron_hcp.parallel_state.layout import ParallelLayout
+
+    layout = ParallelLayout(world_size=WORLD, tp=2, cp=4, pp=1, hierarchical_sizes=(2, 2))
+    for rank, r in enumerate(world.run(hooked_save_grid)):
+        if not r["views"]:  # megatron-core 0.16
+            assert "save_grid" in r["error"] and "register_view" in r["error"], r
+            continue
+        assert r["grid"] == "HyperCommGrid"
+        assert [sorted(v) for v in r["view"]] == [sorted(level) for level in layout.hcp]
+        assert r["hcp"] == layout.hcp_of(rank), rank
+
+
+def bridge_rebinding():
+    """Bridge's provide / install_pg_collection hand TE the flat group; the hook restores hcp."""
     from megatron_hcp.bridge.collection import destroy_pg_collection
     from megatron_hcp.bridge.hook import install, uninstall
 
-    from . import _bridge_standin as standin
+    from . import _bridge
 
     pgc = _hooked_collection(2, 4, 1, [2, 2])
     want = ([_members(g) for g in pgc.hcp], _members(pgc.cp), "a2a+p2p")
@@ -146,19 +214,26 @@ def bridge_rebinding():
     def seen(model):
         out = []
         for m in model.modules():
-            if isinstance(m, standin.RecordingTEAttention):
+            if isinstance(m, _bridge.RecordingTEAttention):
                 group, ranks, comm = m.calls[-1]
                 members = ([_members(g) for g in group] if isinstance(group, list)
                            else _members(group))
                 out.append((members, ranks, comm))
         return out
 
-    mods = standin.install_standin()
+    mods = _bridge.load()
+    undo = []
+
+    def monkeypatch_like(owner, name, value):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if _bridge.REAL:  # megatron's TE attention class, which Bridge isinstance-checks (no TE)
+        from megatron.core.extensions import transformer_engine as te_ext
+
+        monkeypatch_like(te_ext, "TEDotProductAttention", _bridge.RecordingTEAttention)
     try:
-        provider = standin.GPTModelProvider(
-            cp_comm_type="a2a+p2p", context_parallel_size=4, _pg_collection=pgc,
-            build=lambda: nn.Sequential(standin.RecordingTEAttention(1),
-                                        standin.RecordingTEAttention(2)))
+        provider = _provider(mods, pgc, monkeypatch_like)
         plain = seen(provider.provide())  # Bridge alone: flat group, TE's default comm type
         install()
         model = provider.provide()
@@ -169,7 +244,9 @@ def bridge_rebinding():
         mods["eval_context_parallel_rebinding"].install_pg_collection(model, pgc)
         rebound_plain = seen(model)
     finally:
-        standin.remove_standin()
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+        _bridge.release()
         destroy_pg_collection(pgc)
     return want, plain, hooked, rebound, rebound_plain
 

@@ -128,12 +128,12 @@ def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
         destroy_model_parallel()
 
 
-def assert_same(runs, reference):
+def assert_same(runs, reference, grad_rtol: float = RTOL):
     for rank, run in enumerate(runs):
-        for key in ("loss", "grad_norm"):
+        for key, rtol in (("loss", RTOL), ("grad_norm", grad_rtol)):
             got, want = torch.tensor(run[key]), torch.tensor(reference[key])
             rel = ((got - want).abs() / want.abs()).max().item()
-            assert rel <= RTOL, (rank, key, run[key], reference[key])
+            assert rel <= rtol, (rank, key, run[key], reference[key])
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,17 @@ def test_multi_token_prediction_follows_the_dynamic_group(world):
     Lengths are multiples of 16 so that no sequence is padded: upstream's packed roll
     (``_roll_tensor_packed_seq``) cuts by ``cu_seqlens_q`` and ignores the padding, so padded
     sequences differ from no-CP already with static CP (measured; not patched here).
+
+    megatron-core 0.19's ``process_mtp_loss`` weights the MTP loss by each rank's own
+    ``original_num_tokens / num_tokens`` (local counts) under per-token loss, so the MTP part of
+    the gradient of *any* CP run differs slightly from no-CP there (measured on these inputs:
+    static CP4 1.7e-4, this dynamic run 1.7e-5 relative grad norm; loss within 1e-5). The
+    loss keeps 1e-5; the grad norm gets 5e-5 on 0.19 (a roll over a wrong group, or no roll,
+    changes the labels and is far outside either bound; without the patch 0.19 deadlocks).
     """
+    from megatron_hcp.patching import megatron_core_version
+    from megatron_hcp.patching.registry import version_key
+
     mtp = {"mtp_num_layers": 1}
     lengths = [32, 48, 16, 176, 32, 48, 16, 64]
     want = world.run(train, 1, 1, 1, False, extra_config=mtp, lengths=lengths)[0]
@@ -201,7 +211,8 @@ def test_multi_token_prediction_follows_the_dynamic_group(world):
     assert want["loss"] != plain["loss"]  # MTP changes the loss
     runs = world.run(train, 1, 4, 1, True, extra_config=mtp, lengths=lengths)
     assert len({s for run in runs for step in run["local_cp_sizes"] for s in step}) > 1
-    assert_same(runs, want)
+    newer = version_key(megatron_core_version()) >= version_key("0.19")
+    assert_same(runs, want, grad_rtol=5e-5 if newer else RTOL)
 
 
 def test_dynamic_cp_without_its_patches_is_refused(world):

@@ -62,6 +62,11 @@ def test_diffs_match_the_current_runtime_patches(version):
         assert header["Megatron-Core-Versions"] == ", ".join(patch.versions)
         # the diff touches the upstream file the runtime patch names
         assert f"b/{patch.upstream.split()[0].split(':')[0]}" in header["body"], file.name
+        # every file it edits carries the marker applied_in_source looks for
+        for block in header["body"].split("diff --git ")[1:]:
+            added = "".join(ln for ln in block.splitlines(keepends=True) if ln.startswith("+"))
+            assert "new file mode" in block or f"megatron-hcp {patch.name}" in added, (
+                file.name, block.split()[0])
 
 
 # ---------------------------------------------------------------- command

@@ -197,3 +197,28 @@ def test_cli_patch_list(clean, capsys):
         assert f"megatron-core {INSTALLED}: fixed upstream in 0.18.0" in out
     assert "upstream: megatron/core/process_groups_config.py" in out
     assert all(p.name in out for p in ALL_PATCHES)
+
+
+def test_mamba_context_for_a_dynamic_group_is_built_with_this_versions_arguments():
+    """mamba-dynamic-cp-group builds one MambaContextParallel per dynamic group from the static
+    one; its constructor changed between releases (0.16.1 ``conv1d_cp1``; 0.19.2
+    ``conv1d_weight_cp1``, ``conv1d_bias_cp1``, ``conv1d_padding``). The mixer itself needs
+    CUDA kernels (not run here); the per-group construction runs on the real class."""
+    import inspect
+
+    from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
+
+    from megatron_hcp.patching.integration import NoCPGroup, mamba_cp_for_group
+
+    names = [n for n in inspect.signature(MambaContextParallel.__init__).parameters
+             if n not in ("self", "cp_group")]
+    values = {n: torch.zeros(1) for n in names}
+    values.update(d_inner_local_tp=8, nheads_local_tp=4, ngroups_local_tp=1, d_state=4,
+                  D_has_hdim=False)
+    if "conv1d_padding" in values:
+        values["conv1d_padding"] = 3
+    static = MambaContextParallel(cp_group=NoCPGroup(), **values)
+    other = mamba_cp_for_group(static, None)
+    assert type(other) is MambaContextParallel and other is not static
+    assert all(getattr(other, n) is getattr(static, n) for n in names)
+    assert other.cp_group.size() == 1 and other.nheads_local_tpcp == 4
