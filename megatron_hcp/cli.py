@@ -95,24 +95,36 @@ def _verify_groups(args: argparse.Namespace) -> int:
 
 
 def _patch_list(args: argparse.Namespace) -> int:
-    from .patching import ALL_PATCHES, is_applied, megatron_core_version
+    from .bridge.hook import BRIDGE_PATCHES
+    from .patching import ALL_PATCHES, is_applied
+    from .patching.registry import installed_version
 
-    version = megatron_core_version()
-    print(f"megatron-core {version}")
-    print(f"{'patch':<38} {'category':<12} {'versions':<14} {'needed':<7} {'applied':<7} "
-          "summary")
-    for patch in ALL_PATCHES:
-        needed = patch.needed(version)
-        applied = "n/a" if not needed or patch.missing_requirement() else (
-            "yes" if is_applied(patch) else "no")
-        print(f"{patch.name:<38} {patch.category:<12} {','.join(patch.versions):<14} "
-              f"{'yes' if needed else 'no':<7} {applied:<7} {patch.summary}")
-        if args.verbose:
-            print(f"{'':<38} upstream: {patch.upstream}")
-            if not needed:
-                print(f"{'':<38} megatron-core {version}: {patch.status(version)}")
-            elif patch.missing_requirement():
-                print(f"{'':<38} not applicable here: {patch.missing_requirement()}")
+    for package, patches in (("megatron-core", ALL_PATCHES), ("megatron-bridge", BRIDGE_PATCHES)):
+        version = installed_version(package)
+        print(f"{package} {version or '(not installed)'}")
+        print(f"  {'patch':<38} {'category':<12} {'versions':<14} {'needed':<7} {'applied':<7} "
+              "summary")
+        for patch in patches:
+            needed = version is not None and patch.needed(version)
+            missing = patch.missing_requirement()
+            if needed and not missing:
+                try:
+                    applied = "yes" if is_applied(patch) else "no"
+                except ImportError as err:  # e.g. Bridge installed, but its imports fail
+                    applied, missing = "n/a", f"{package} does not import here ({err})"
+            else:
+                applied = "n/a"
+            shown = ",".join(patch.versions) if len(patch.versions) <= 2 else (
+                f"{patch.versions[0]}-{patch.versions[-1]}")
+            print(f"  {patch.name:<38} {patch.category:<12} {shown:<14} "
+                  f"{'yes' if needed else 'no':<7} {applied:<7} {patch.summary}")
+            if args.verbose:
+                print(f"  {'':<38} upstream: {patch.upstream}")
+                print(f"  {'':<38} written for {package} {', '.join(patch.versions)}")
+                if version is not None and not needed:
+                    print(f"  {'':<38} {package} {version}: {patch.status(version)}")
+                elif missing:
+                    print(f"  {'':<38} not applicable here: {missing}")
     return 0
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CPGroups", "SilentCPOffError", "resolve_cp_groups", "te_cp_kwargs"]
+__all__ = ["CPGroups", "SilentCPOffError", "mpu_pg_collection", "resolve_cp_groups",
+           "te_cp_kwargs", "uses_dynamic_cp"]
 
 
 class SilentCPOffError(RuntimeError):
@@ -46,6 +47,28 @@ class CPGroups:
 
 def _size(group: Any) -> int:
     return dist.get_world_size(group)
+
+
+def uses_dynamic_cp(packed_seq_params: Any) -> bool:
+    """The micro-batch brings its own CP group (dynamic CP): ``local_cp_size`` or ``cp_group``
+    of ``packed_seq_params`` is set."""
+    return packed_seq_params is not None and (
+        getattr(packed_seq_params, "local_cp_size", None) is not None
+        or getattr(packed_seq_params, "cp_group", None) is not None
+    )
+
+
+def mpu_pg_collection():
+    """megatron's MPU groups (tp, cp, hcp) as a ProcessGroupCollection, without asserting they
+    exist (the default of modules built without a collection)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(
+        tp=ps.get_tensor_model_parallel_group(check_initialized=False),
+        cp=ps.get_context_parallel_group(check_initialized=False),
+        hcp=ps.get_hierarchical_context_parallel_groups(check_initialized=False),
+    )
 
 
 def resolve_cp_groups(

@@ -2,11 +2,8 @@
 
 * :class:`ReferenceCPAttention` - megatron's core-attention contract on top of the pure-PyTorch
   backend (any device, any torch.distributed backend).
-* :func:`te_cp_attention_class` - a subclass of megatron's ``TEDotProductAttention`` whose CP
-  groups come from :func:`~megatron_hcp.attention.groups.resolve_cp_groups` (``pg_collection.hcp``
-  for a2a+p2p, the per-micro-batch dynamic group), with a lazily created ``cp_stream`` and the
-  constructor's group restored after every forward. Only built when Transformer Engine imports;
-  it has not been run on this project's CPU machines.
+* Transformer Engine: megatron's own ``TEDotProductAttention`` with the ``te-attention-hcp``
+  patch (:mod:`.te`; the one TE path).
 * :func:`core_attention_class` / :func:`gpt_layer_spec` pick TE when present, else the reference.
 """
 
@@ -19,34 +16,14 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .groups import CPGroups, resolve_cp_groups, te_cp_kwargs
+from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, uses_dynamic_cp
 from .reference import context_parallel_attention, local_attention
+from .te import have_te, te_attention_class
 
-__all__ = [
-    "ReferenceCPAttention",
-    "core_attention_class",
-    "gpt_layer_spec",
-    "have_te",
-    "make_te_forward",
-    "make_te_init",
-    "rebind_te_cp_groups",
-    "te_cp_attention_class",
-]
+__all__ = ["ReferenceCPAttention", "core_attention_class", "gpt_layer_spec"]
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 _FULL = {AttnMaskType.no_mask, AttnMaskType.padding}
-
-
-def _default_pg_collection():
-    """MPU groups (tp, cp, hcp) as a ProcessGroupCollection, without asserting they exist."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    return ProcessGroupCollection(
-        tp=ps.get_tensor_model_parallel_group(check_initialized=False),
-        cp=ps.get_context_parallel_group(check_initialized=False),
-        hcp=ps.get_hierarchical_context_parallel_groups(check_initialized=False),
-    )
 
 
 class ReferenceCPAttention(MegatronModule):
@@ -79,7 +56,7 @@ class ReferenceCPAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: only self-attention has CP")
         if pg_collection is None:
-            pg_collection = _default_pg_collection()
+            pg_collection = mpu_pg_collection()
         self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.cp_comm_type = cp_comm_type
@@ -91,7 +68,7 @@ class ReferenceCPAttention(MegatronModule):
         )
 
     def cp_groups(self, packed_seq_params: Any = None) -> CPGroups:
-        if not _uses_dynamic_cp(packed_seq_params):
+        if not uses_dynamic_cp(packed_seq_params):
             return self.static_groups
         return resolve_cp_groups(
             self.config.context_parallel_size, self.cp_comm_type, self.pg_collection,
@@ -139,123 +116,10 @@ class ReferenceCPAttention(MegatronModule):
         return out.reshape(*out.shape[:-2], -1)
 
 
-def have_te() -> bool:
-    """True when Transformer Engine and megatron's TE extension import."""
-    try:
-        from megatron.core.extensions import transformer_engine as te_ext
-
-        return bool(getattr(te_ext, "HAVE_TE", False))
-    except Exception:
-        return False
-
-
-def _uses_dynamic_cp(packed_seq_params: Any) -> bool:
-    return packed_seq_params is not None and (
-        getattr(packed_seq_params, "local_cp_size", None) is not None
-        or getattr(packed_seq_params, "cp_group", None) is not None
-    )
-
-
-def _apply_te_groups(module: Any, groups: CPGroups) -> None:
-    """Hand ``groups`` to TE; the class-wide cp_stream is created lazily, when CP really runs."""
-    stream = None
-    if groups.enabled:
-        cls = type(module)
-        if getattr(cls, "cp_stream", None) is None:
-            cls.cp_stream = torch.cuda.Stream()
-        stream = cls.cp_stream
-    kw = te_cp_kwargs(groups, stream)
-    module.set_context_parallel_group(
-        kw["cp_group"], kw["cp_global_ranks"], kw["cp_stream"], kw["cp_comm_type"]
-    )
-
-
-def rebind_te_cp_groups(module: Any, pg_collection: Any, context_parallel_size: int,
-                        cp_comm_type: str) -> CPGroups:
-    """Give a TE attention module the CP groups of ``pg_collection`` (hcp for a2a+p2p).
-
-    For code that rebinds TE modules itself (Megatron-Bridge hands TE the flat CP group):
-    the groups are resolved by :func:`resolve_cp_groups`, handed to TE, and remembered for the
-    dynamic-CP restore of the ``te-attention-hcp`` patch.
-    """
-    groups = resolve_cp_groups(context_parallel_size, cp_comm_type, pg_collection)
-    _apply_te_groups(module, groups)
-    if hasattr(module, "_cp_resolution"):
-        module._cp_resolution = (pg_collection, cp_comm_type, groups)
-    return groups
-
-
-def make_te_init(original_init):
-    """``TEDotProductAttention.__init__`` whose CP groups come from :func:`resolve_cp_groups`.
-
-    TE is built without CP (no eager CUDA stream, no read of megatron's global hierarchical
-    groups), then given the resolved groups: ``pg_collection.hcp`` for a2a+p2p.
-    """
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, *args, cp_comm_type="p2p",
-                 pg_collection=None, **kwargs):
-        if pg_collection is None:
-            pg_collection = _default_pg_collection()
-        static = resolve_cp_groups(config.context_parallel_size, cp_comm_type, pg_collection)
-        no_cp = copy.copy(config)
-        no_cp.context_parallel_size = 1
-        original_init(self, no_cp, layer_number, attn_mask_type, attention_type,
-                      attention_dropout, softmax_scale, *args, cp_comm_type=cp_comm_type,
-                      pg_collection=pg_collection, **kwargs)
-        self.config = config
-        self._cp_resolution = (pg_collection, cp_comm_type, static)
-        _apply_te_groups(self, static)
-
-    return __init__
-
-
-def make_te_forward(original_forward):
-    """``TEDotProductAttention.forward`` that switches to the micro-batch's dynamic CP group
-    (``packed_seq_params``) and restores the constructor's groups afterwards."""
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
-                packed_seq_params=None, **kwargs):
-        if not _uses_dynamic_cp(packed_seq_params):
-            return original_forward(self, query, key, value, attention_mask, attn_mask_type,
-                                    attention_bias=attention_bias,
-                                    packed_seq_params=packed_seq_params, **kwargs)
-        pg_collection, comm_type, static = self._cp_resolution
-        _apply_te_groups(self, resolve_cp_groups(
-            self.config.context_parallel_size, comm_type, pg_collection, packed_seq_params))
-        # upstream forward would switch groups again and never restore them: hide the fields
-        stripped = copy.copy(packed_seq_params)
-        stripped.cp_group = None
-        stripped.local_cp_size = None
-        try:
-            return original_forward(self, query, key, value, attention_mask, attn_mask_type,
-                                    attention_bias=attention_bias, packed_seq_params=stripped,
-                                    **kwargs)
-        finally:
-            _apply_te_groups(self, static)
-
-    return forward
-
-
-def te_cp_attention_class():
-    """``TEDotProductAttention`` with project-resolved CP groups (requires TE to run)."""
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-    return type(
-        "TECPAttention",
-        (TEDotProductAttention,),
-        {
-            "__doc__": "TE attention whose CP groups come from resolve_cp_groups (hcp, dynamic).",
-            "__init__": make_te_init(TEDotProductAttention.__init__),
-            "forward": make_te_forward(TEDotProductAttention.forward),
-        },
-    )
-
-
 def core_attention_class(backend: str = "auto"):
     """The core-attention class for ``backend`` (``auto``: TE when it imports)."""
     if backend == "te" or (backend == "auto" and have_te()):
-        return te_cp_attention_class()
+        return te_attention_class()
     if backend not in ("auto", "reference"):
         raise ValueError(f"backend={backend!r}: use auto, te or reference")
     return ReferenceCPAttention

@@ -1,7 +1,7 @@
 """Megatron-Bridge hook: hierarchical CP on Bridge's decentralized process-group path.
 
-:func:`install` wraps four Bridge functions (each wrapper keeps the original in ``__wrapped__``
-and carries a marker, so :func:`uninstall` restores exactly what was there; no module state):
+:func:`install` applies :data:`BRIDGE_PATCHES`: four named, version-gated, reversible patches of
+the patch registry (``megatron-hcp patch list`` shows them; :func:`uninstall` reverts them):
 
 * ``training.initialize._create_pg_collection``: a config with
   ``hierarchical_context_parallel_sizes`` gets :func:`~.collection.create_pg_collection`
@@ -21,9 +21,10 @@ and carries a marker, so :func:`uninstall` restores exactly what was there; no m
   validated by ``CPConfig`` either way: the user's HCP settings are never lost silently.
 
 Bridge modules that imported one of these functions by value (e.g. the diffusion pipelines'
-``load_megatron_model``) are rebound too when already imported. The wrapped signatures were
-recorded from Megatron-Bridge's source (v0.4.0-v0.6.0 and main 067f987, 2026-11);
-:func:`install` checks them first and refuses, changing nothing, when they differ.
+``load_megatron_model``) are rebound too when already imported. Written for every Bridge release
+0.4.0-0.6.2 (signatures read from each release's wheel; 0.6.2 runs in CI on the Python 3.12
+leg); :func:`install` also checks the wrapped signatures first and refuses, changing nothing,
+when they differ.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..attention.module import rebind_te_cp_groups
+from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
+from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
 from .collection import create_pg_collection_and_grid, grid_views_available
 
 __all__ = [
+    "BRIDGE_PATCHES",
+    "BRIDGE_VERSIONS",
     "BridgeHookError",
     "BridgeNotInstalledError",
     "cp_config_from_model_config",
@@ -55,28 +59,17 @@ __all__ = [
 
 logger = logging.getLogger("megatron_hcp")
 
-_MARK = "_megatron_hcp_bridge_hook"
 _PKG = "megatron.bridge"
-# (module, attribute path, parameters the wrapper relies on, required)
-_TARGETS = (
-    ("training.initialize", "_create_pg_collection",
-     ("model_config", "num_distributed_optimizer_instances", "get_embedding_ranks",
-      "get_position_embedding_ranks"), True),
-    ("models.gpt_provider", "GPTModelProvider.provide",
-     ("self", "pre_process", "post_process", "vp_stage"), True),
-    ("training.model_load_save", "load_megatron_model",
-     ("checkpoint_path", "model_type", "return_state_dict", "use_cpu_init",
-      "skip_temp_dist_context", "mp_overrides"), True),
-    ("training.eval_context_parallel_rebinding", "install_pg_collection",
-     ("model", "target"), False),
-)
+# Bridge releases whose wrapped functions have the signatures below (read from each wheel)
+BRIDGE_VERSIONS = ("0.4.0", "0.4.1", "0.4.2", "0.5.0", "0.5.1", "0.6.0", "0.6.2")
+_WITH_EVAL_REBINDING = ("0.5.0", "0.5.1", "0.6.0", "0.6.2")
 
 
 class BridgeNotInstalledError(ImportError):
     """Megatron-Bridge is not importable."""
 
 
-class BridgeHookError(RuntimeError):
+class BridgeHookError(PatchError):
     """The installed Bridge differs from the code the hook was written for."""
 
 
@@ -145,8 +138,9 @@ def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = N
 
 
 # ---------------------------------------------------------------------------- wrappers
-def _make_create_pg_collection(original: Callable, module: Any) -> Callable:
+def _make_create_pg_collection(original: Callable) -> Callable:
     accepted = set(inspect.signature(original).parameters)
+    module = importlib.import_module(original.__module__)
 
     @functools.wraps(original)
     def _create_pg_collection(model_config, num_distributed_optimizer_instances,
@@ -263,7 +257,9 @@ def _decide_hcp(model_cfg: Any, saved_sizes: Any, saved_comm: Any) -> None:
     cp_config_from_model_config(model_cfg).validate()
 
 
-def _make_load_megatron_model(original: Callable, module: Any) -> Callable:
+def _make_load_megatron_model(original: Callable) -> Callable:
+    module = importlib.import_module(original.__module__)
+
     @functools.wraps(original)
     def load_megatron_model(checkpoint_path, model_type=None, return_state_dict=False,
                             use_cpu_init=False, skip_temp_dist_context=None, mp_overrides=None):
@@ -291,38 +287,59 @@ def _make_load_megatron_model(original: Callable, module: Any) -> Callable:
     return load_megatron_model
 
 
-_FACTORIES = {
-    "_create_pg_collection": _make_create_pg_collection,
-    "GPTModelProvider.provide": lambda original, module: _make_provide(original),
-    "load_megatron_model": _make_load_megatron_model,
-    "install_pg_collection": lambda original, module: _make_install_pg_collection(original),
-}
+def _target(module: str, qualname: str, make: Callable, params: tuple[str, ...],
+            **kwargs: Any) -> Target:
+    return Target(f"{_PKG}.{module}", qualname, make, params=params, also_bound_under=_PKG,
+                  **kwargs)
+
+
+def _patch(name: str, summary: str, upstream: str, target: Target) -> Patch:
+    return Patch(name=name, summary=summary, upstream=upstream, versions=BRIDGE_VERSIONS,
+                 targets=(target,), category="bridge", package="megatron-bridge")
+
+
+BRIDGE_PATCHES: tuple[Patch, ...] = (
+    _patch("bridge-hcp-pg-collection",
+           "Bridge's _create_pg_collection builds hcp for hierarchical CP (validated by CPConfig) "
+           "instead of raising NotImplementedError; other configs reach Bridge unchanged",
+           "megatron/bridge/training/initialize.py _create_pg_collection (NotImplementedError "
+           "for hierarchical_context_parallel_sizes)",
+           _target("training.initialize", "_create_pg_collection", _make_create_pg_collection,
+                   ("model_config", "num_distributed_optimizer_instances",
+                    "get_embedding_ranks", "get_position_embedding_ranks"))),
+    _patch("bridge-provide-te-hcp",
+           "GPTModelProvider.provide gives TE attention the hierarchical CP groups back after "
+           "Bridge hands it the flat group",
+           "megatron/bridge/models/gpt_provider.py GPTModelProvider.provide "
+           "(set_context_parallel_group with the flat CP group)",
+           _target("models.gpt_provider", "GPTModelProvider.provide", _make_provide,
+                   ("self", "pre_process", "post_process", "vp_stage"))),
+    _patch("bridge-load-keeps-hcp",
+           "load_megatron_model keeps, restores or asks for hierarchical_context_parallel_sizes "
+           "instead of clearing them silently",
+           "megatron/bridge/training/model_load_save.py load_megatron_model (forces CP=1, "
+           "clears hierarchical_context_parallel_sizes)",
+           _target("training.model_load_save", "load_megatron_model", _make_load_megatron_model,
+                   ("checkpoint_path", "model_type", "return_state_dict", "use_cpu_init",
+                    "skip_temp_dist_context", "mp_overrides"))),
+    _patch("bridge-eval-rebinding-te-hcp",
+           "install_pg_collection (train/eval CP rebinding) gives TE attention the hierarchical "
+           "CP groups back",
+           "megatron/bridge/training/eval_context_parallel_rebinding.py install_pg_collection "
+           "(set_context_parallel_group with the flat CP group; Bridge 0.5+)",
+           _target("training.eval_context_parallel_rebinding", "install_pg_collection",
+                   _make_install_pg_collection, ("model", "target"),
+                   versions=_WITH_EVAL_REBINDING)),
+)
 
 
 # ---------------------------------------------------------------------------- install
-def _resolve(path: tuple[str, str]) -> tuple[Any, Any, str]:
-    """``a.b`` under ``megatron.bridge`` -> (module, owner object, attribute name)."""
-    module_name, attr = path
-    module = importlib.import_module(f"{_PKG}.{module_name}")
-    owner = module
-    *outer, name = attr.split(".")
-    for part in outer:
-        owner = getattr(owner, part)
-    return module, owner, name
-
-
-def _bridge_modules():
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == _PKG or name.startswith(_PKG + "."))]
-
-
 def installed() -> bool:
     """True when :func:`install` is in effect."""
     try:
-        _, owner, name = _resolve(("training.initialize", "_create_pg_collection"))
-    except Exception:
+        return all(is_applied(p) for p in BRIDGE_PATCHES)
+    except Exception:  # noqa: BLE001 - Bridge missing or not importable: not installed
         return False
-    return getattr(getattr(owner, name), _MARK, False)
 
 
 def install() -> None:
@@ -334,45 +351,19 @@ def install() -> None:
             f"Megatron-Bridge is not installed ({err}); megatron_hcp.bridge.install() hooks "
             "into it. Install megatron-bridge, or call megatron_hcp.bridge.create_pg_collection "
             "directly (it needs no Bridge)") from err
-    if installed():
-        return
-    found, problems = [], []
-    for module_name, attr, params, required in _TARGETS:
-        try:
-            module, owner, name = _resolve((module_name, attr))
-            target = getattr(owner, name)
-        except (ImportError, AttributeError) as err:
-            if required:
-                problems.append(f"{_PKG}.{module_name}.{attr}: missing ({err})")
-            continue
-        have = list(inspect.signature(target).parameters)
-        if have[:len(params)] != list(params):
-            problems.append(f"{_PKG}.{module_name}.{attr}{tuple(have)}: expected the "
-                            f"parameters {params} first")
-            continue
-        found.append((module, owner, name, target, attr))
-    if problems:
+    try:
+        done = apply(BRIDGE_PATCHES)
+    except PatchError as err:
         raise BridgeHookError(
             "the installed Megatron-Bridge differs from the code megatron_hcp's hook was "
-            "written for (v0.4.0-v0.6.0, main 067f987); nothing was changed:\n  "
-            + "\n  ".join(problems))
-    for module, owner, name, target, attr in found:
-        wrapper = _FACTORIES[attr](target, module)
-        setattr(wrapper, _MARK, True)
-        setattr(owner, name, wrapper)
-        for other in _bridge_modules():  # by-value imports elsewhere in Bridge
-            for key, value in list(vars(other).items()):
-                if value is target:
-                    setattr(other, key, wrapper)
-    logger.info("megatron_hcp: Megatron-Bridge hook installed (%s)",
-                ", ".join(attr for *_, attr in found))
+            f"written for (releases {', '.join(BRIDGE_VERSIONS)}); nothing was changed:\n  "
+            f"{err}") from err
+    if done:
+        logger.info("megatron_hcp: Megatron-Bridge hook installed (%s)", ", ".join(done))
 
 
 def uninstall() -> None:
     """Undo :func:`install` (no-op when not installed)."""
-    for module in _bridge_modules():
-        for owner in [module] + [v for v in vars(module).values() if inspect.isclass(v)]:
-            for key, value in list(vars(owner).items()):
-                # plain functions only: Bridge's import placeholders raise on any getattr
-                if inspect.isfunction(value) and getattr(value, _MARK, False):
-                    setattr(owner, key, value.__wrapped__)
+    if sys.modules.get(_PKG) is None:  # never imported (or made unimportable): nothing hooked
+        return
+    revert(BRIDGE_PATCHES)

@@ -5,7 +5,8 @@ DDP buffers). Rather than rewriting those, each patch gives *one upstream module
 ``torch`` (:class:`CpuDeviceTorch`): inside that module, ``torch.cuda.current_device()`` is the
 CPU device, tensor factories asked for ``device="cuda"`` allocate on the CPU, CUDA streams and
 ``synchronize`` are no-ops and the CUDA RNG is the CPU generator. Nothing else in the process
-sees a changed torch. Small functions that call ``Tensor.cuda()`` are replaced outright.
+sees a changed torch. Small functions that index with pinned/CUDA tensors are replaced; the one
+``Tensor.cuda()`` call on a tied weight is answered inside that call by a torch function mode.
 
 Apply with :func:`apply_cpu_runtime` (only when CUDA is unavailable, unless forced).
 """
@@ -16,6 +17,7 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .registry import Patch, Target, apply, revert
 
@@ -174,17 +176,23 @@ def _make_rng_set(original):
     return _set_cuda_rng_state
 
 
+class _CudaMoveStaysOnCpu(TorchFunctionMode):
+    """Inside this mode ``Tensor.cuda()`` of a CPU tensor is the tensor itself (this thread, this
+    call only; nothing in ``torch`` is replaced)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda and args and args[0].device.type == "cpu":
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
 def _make_embedding_sync(original):
     def setup_embeddings_and_output_layer(self):
-        """Upstream, but the tied-embedding all-reduce runs where the weight lives."""
-        real_cuda = torch.Tensor.cuda
-        try:
-            # LanguageModule moves the tied weight with Tensor.cuda() before its all-reduce;
-            # during this call only, that move is the identity on a CPU tensor.
-            torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+        """Upstream, but the tied-embedding all-reduce runs where the weight lives: upstream
+        moves the shared weight with ``weight.data.cuda()`` first; during this call only, that
+        move of a CPU tensor is the identity (a torch function mode, no process-wide change)."""
+        with _CudaMoveStaysOnCpu():
             return original(self)
-        finally:
-            torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
 
     return setup_embeddings_and_output_layer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from ..attention.module import make_te_forward, make_te_init
+from ..attention.te import make_te_forward, make_te_init
 from ..parallel_state.mpu import destroy_groups, forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
 from .registry import Patch, Target

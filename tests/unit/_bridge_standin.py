@@ -28,10 +28,14 @@ import torch.distributed as dist
 
 from ._bridge import RecordingTEAttention  # noqa: F401  (the TE stand-in both Bridges drive)
 
-NAMES = ("megatron.bridge", "megatron.bridge.training", "megatron.bridge.models",
+NAMES = ("megatron.bridge", "megatron.bridge.package_info", "megatron.bridge.training",
+         "megatron.bridge.models",
          "megatron.bridge.training.initialize", "megatron.bridge.models.gpt_provider",
          "megatron.bridge.training.eval_context_parallel_rebinding",
          "megatron.bridge.training.model_load_save", "megatron.bridge.diffusion_pipeline")
+
+
+VERSION = "0.6.2"  # the release whose code this stand-in mirrors
 
 
 class _UnavailableMeta(type):
@@ -112,8 +116,9 @@ def load_megatron_model(checkpoint_path, model_type=None, return_state_dict=Fals
 def install_standin(create_pg_collection=_create_pg_collection) -> dict:
     """Put the stand-in into ``sys.modules``; returns the modules by short name."""
     mods = {name: types.ModuleType(name) for name in NAMES}
-    for name in NAMES[:3]:
+    for name in ("megatron.bridge", "megatron.bridge.training", "megatron.bridge.models"):
         mods[name].__path__ = []
+    mods["megatron.bridge.package_info"].__version__ = VERSION
     mods["megatron.bridge.training.initialize"]._create_pg_collection = create_pg_collection
     mods["megatron.bridge.training.initialize"].FP8GlobalStateManager = FP8GlobalStateManager
     mods["megatron.bridge.models.gpt_provider"].GPTModelProvider = GPTModelProvider

@@ -205,7 +205,7 @@ def te_contract():
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_hcp.attention.module import make_te_forward, make_te_init
+    from megatron_hcp.attention.te import make_te_forward, make_te_init
 
     full, mine, other, created = make_test_groups()
     cls = type("Wrapped", (RecordingTE,), {"__init__": make_te_init(RecordingTE.__init__),

@@ -92,7 +92,7 @@ def test_fixed_upstream_is_skipped_and_says_so(clean, patch):
 
 
 def test_versions_that_are_no_versions_are_refused(clean):
-    with pytest.raises(PatchError, match="'banana9' is not a megatron-core version"):
+    with pytest.raises(PatchError, match="'banana9' is not a release version"):
         apply(HERE[:1], version="banana9")
 
 
@@ -188,7 +188,7 @@ def test_cli_patch_list(clean, capsys):
     apply(by_name(["pg-collection-repr"]))
     assert cli_main(["patch", "list", "-v"]) == 0
     out = capsys.readouterr().out
-    line = next(ln for ln in out.splitlines() if ln.startswith("pg-collection-repr"))
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("pg-collection-repr"))
     assert out.splitlines()[0] == f"megatron-core {INSTALLED}"
     if INSTALLED == "0.16.1":
         assert line.split()[3:5] == ["yes", "yes"]  # needed, applied
@@ -197,6 +197,12 @@ def test_cli_patch_list(clean, capsys):
         assert f"megatron-core {INSTALLED}: fixed upstream in 0.18.0" in out
     assert "upstream: megatron/core/process_groups_config.py" in out
     assert all(p.name in out for p in ALL_PATCHES)
+    # the Megatron-Bridge hook's patches are listed with their own package's releases
+    from megatron_hcp.bridge.hook import BRIDGE_PATCHES
+
+    bridge = out[out.index("\nmegatron-bridge "):]
+    assert all(p.name in bridge for p in BRIDGE_PATCHES)
+    assert "written for megatron-bridge 0.4.0, 0.4.1, 0.4.2, 0.5.0, 0.5.1, 0.6.0, 0.6.2" in bridge
 
 
 def test_mamba_context_for_a_dynamic_group_is_built_with_this_versions_arguments():

@@ -1,0 +1,159 @@
+"""Transformer Engine attention with CP groups from the project's one decision.
+
+megatron's ``TEDotProductAttention`` reads megatron's global hierarchical groups for a2a+p2p
+(ignoring ``pg_collection.hcp``), creates a CUDA stream eagerly and never restores its groups
+after a dynamic-CP micro-batch. :func:`make_te_init` / :func:`make_te_forward` are the
+replacements the ``te-attention-hcp`` patch installs on that class (the one TE path; there is no
+subclass): groups from :func:`~megatron_hcp.attention.groups.resolve_cp_groups`
+(``pg_collection.hcp`` for a2a+p2p, the per-micro-batch dynamic group), a lazily created
+``cp_stream``, and the constructor's groups restored after every forward.
+
+Written against TE's and megatron's APIs; **not run on Transformer Engine here** (no GPU). The
+wrappers are tested against a recording stand-in of TE's base class.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
+
+__all__ = ["have_te", "make_te_forward", "make_te_init", "rebind_te_cp_groups",
+           "te_attention_class", "te_unavailable_reason"]
+
+logger = logging.getLogger("megatron_hcp")
+
+
+def te_unavailable_reason() -> str | None:
+    """Why Transformer Engine cannot be used here, or None when it can.
+
+    A broken install is told apart from a missing one: megatron-core swallows TE's import error
+    (``HAVE_TE=False``), so it is reproduced here to be named.
+    """
+    import importlib.util
+    import sys
+
+    if "transformer_engine" not in sys.modules and (
+            importlib.util.find_spec("transformer_engine") is None):
+        return "Transformer Engine is not installed"
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except Exception as err:  # noqa: BLE001 - the reason is the result
+        return f"importing megatron's TE extension failed: {type(err).__name__}: {err}"
+    if getattr(te_ext, "HAVE_TE", False):
+        return None
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - the reason is the result
+        return (f"transformer_engine is installed but does not import: "
+                f"{type(err).__name__}: {err}")
+    return "megatron-core's TE extension reports HAVE_TE=False"
+
+
+def have_te() -> bool:
+    """True when Transformer Engine and megatron's TE extension import. A TE that is installed
+    but broken is logged with its reason (callers then fall back to the reference backend;
+    ``backend="te"`` raises it)."""
+    reason = te_unavailable_reason()
+    if reason is not None and reason != "Transformer Engine is not installed":
+        logger.warning("Transformer Engine is unusable (%s); the reference CP attention "
+                       "backend is used instead", reason)
+    return reason is None
+
+
+def _apply_te_groups(module: Any, groups: CPGroups) -> None:
+    """Hand ``groups`` to TE; the class-wide cp_stream is created lazily, when CP really runs."""
+    stream = None
+    if groups.enabled:
+        cls = type(module)
+        if getattr(cls, "cp_stream", None) is None:
+            cls.cp_stream = torch.cuda.Stream()
+        stream = cls.cp_stream
+    kw = te_cp_kwargs(groups, stream)
+    module.set_context_parallel_group(
+        kw["cp_group"], kw["cp_global_ranks"], kw["cp_stream"], kw["cp_comm_type"]
+    )
+
+
+def rebind_te_cp_groups(module: Any, pg_collection: Any, context_parallel_size: int,
+                        cp_comm_type: str) -> CPGroups:
+    """Give a TE attention module the CP groups of ``pg_collection`` (hcp for a2a+p2p).
+
+    For code that rebinds TE modules itself (Megatron-Bridge hands TE the flat CP group):
+    the groups are resolved by :func:`resolve_cp_groups`, handed to TE, and remembered for the
+    dynamic-CP restore of the ``te-attention-hcp`` patch.
+    """
+    groups = resolve_cp_groups(context_parallel_size, cp_comm_type, pg_collection)
+    _apply_te_groups(module, groups)
+    if hasattr(module, "_cp_resolution"):
+        module._cp_resolution = (pg_collection, cp_comm_type, groups)
+    return groups
+
+
+def make_te_init(original_init):
+    """``TEDotProductAttention.__init__`` whose CP groups come from :func:`resolve_cp_groups`.
+
+    TE is built without CP (no eager CUDA stream, no read of megatron's global hierarchical
+    groups), then given the resolved groups: ``pg_collection.hcp`` for a2a+p2p.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, *args, cp_comm_type="p2p",
+                 pg_collection=None, **kwargs):
+        if pg_collection is None:
+            pg_collection = mpu_pg_collection()
+        static = resolve_cp_groups(config.context_parallel_size, cp_comm_type, pg_collection)
+        no_cp = copy.copy(config)
+        no_cp.context_parallel_size = 1
+        original_init(self, no_cp, layer_number, attn_mask_type, attention_type,
+                      attention_dropout, softmax_scale, *args, cp_comm_type=cp_comm_type,
+                      pg_collection=pg_collection, **kwargs)
+        self.config = config
+        self._cp_resolution = (pg_collection, cp_comm_type, static)
+        _apply_te_groups(self, static)
+
+    return __init__
+
+
+def make_te_forward(original_forward):
+    """``TEDotProductAttention.forward`` that switches to the micro-batch's dynamic CP group
+    (``packed_seq_params``) and restores the constructor's groups afterwards."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if not uses_dynamic_cp(packed_seq_params):
+            return original_forward(self, query, key, value, attention_mask, attn_mask_type,
+                                    attention_bias=attention_bias,
+                                    packed_seq_params=packed_seq_params, **kwargs)
+        pg_collection, comm_type, static = self._cp_resolution
+        _apply_te_groups(self, resolve_cp_groups(
+            self.config.context_parallel_size, comm_type, pg_collection, packed_seq_params))
+        # upstream forward would switch groups again and never restore them: hide the fields
+        stripped = copy.copy(packed_seq_params)
+        stripped.cp_group = None
+        stripped.local_cp_size = None
+        try:
+            return original_forward(self, query, key, value, attention_mask, attn_mask_type,
+                                    attention_bias=attention_bias, packed_seq_params=stripped,
+                                    **kwargs)
+        finally:
+            _apply_te_groups(self, static)
+
+    return forward
+
+
+def te_attention_class():
+    """megatron's ``TEDotProductAttention`` once the ``te-attention-hcp`` patch is applied (its
+    CP groups then come from :func:`resolve_cp_groups`); refused, naming the patch, before."""
+    from ..patching import require_applied
+
+    if not have_te():
+        raise RuntimeError(f"backend='te' needs Transformer Engine: {te_unavailable_reason()}")
+    require_applied(("te-attention-hcp",), "the Transformer Engine attention backend")
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
