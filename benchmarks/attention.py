@@ -27,11 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_hcp.attention.reference import CommCounter, context_parallel_attention  # noqa: E402
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
-from megatron_hcp.attention.reference.sharding import SeqLayout  # noqa: E402
+from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
-from megatron_hcp.parallel_state.hierarchical import new_groups  # noqa: E402
+from megatron_hcp.parallel_state.groups import (
+    destroy_groups,  # noqa: E402
+    new_groups,  # noqa: E402
+)
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups  # noqa: E402
-from megatron_hcp.parallel_state.mpu import destroy_groups  # noqa: E402
 
 WORLD = 4
 CASES = [("p2p", 2), ("p2p", 4), ("all_gather", 2), ("all_gather", 4), ("a2a", 2), ("a2a", 4),

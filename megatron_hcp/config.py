@@ -28,6 +28,7 @@ __all__ = [
     "CPConfig",
     "CPConfigError",
     "Violation",
+    "is_power_of_two",
     "parse_value",
 ]
 
@@ -58,7 +59,8 @@ class CPConfigError(ValueError):
         super().__init__(f"invalid context-parallel configuration:\n{lines}")
 
 
-def _is_power_of_two(n: int) -> bool:
+def is_power_of_two(n: int) -> bool:
+    """The one power-of-two rule (dynamic CP sizes, DPxCP, aligned blocks)."""
     return n >= 1 and (n & (n - 1)) == 0
 
 
@@ -473,7 +475,7 @@ class CPConfig:
                 "hierarchical groups", "use cp_comm_type p2p, all_gather or a2a with dynamic CP"))
         n = self.dp_cp_size
         m = self.min_dynamic_context_parallel_size
-        if isinstance(m, int) and not _is_power_of_two(m):
+        if isinstance(m, int) and not is_power_of_two(m):
             out.append(
                 Violation(
                     "min_dynamic_context_parallel_size",
@@ -491,7 +493,7 @@ class CPConfig:
                     f"use at most {n}",
                 )
             )
-        if n < 2 or not _is_power_of_two(n):
+        if n < 2 or not is_power_of_two(n):
             out.append(
                 Violation(
                     "data_parallel_size",

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CPGroups", "SilentCPOffError", "mpu_pg_collection", "resolve_cp_groups",
-           "te_cp_kwargs", "uses_dynamic_cp"]
+__all__ = ["CPGroups", "SilentCPOffError", "micro_batch_cp_group", "mpu_pg_collection",
+           "resolve_cp_groups", "te_cp_kwargs", "uses_dynamic_cp"]
 
 
 class SilentCPOffError(RuntimeError):
@@ -58,6 +58,30 @@ def uses_dynamic_cp(packed_seq_params: Any) -> bool:
     )
 
 
+def micro_batch_cp_group(packed_seq_params: Any) -> tuple[bool, Any]:
+    """(dynamic?, the micro-batch's own CP group) of a micro-batch; group None with dynamic True
+    means no CP for it (``local_cp_size == 1``). Inconsistent fields raise
+    :class:`SilentCPOffError` (never a silent fallback to the static group)."""
+    if not uses_dynamic_cp(packed_seq_params):
+        return False, None
+    local = getattr(packed_seq_params, "local_cp_size", None)
+    group = getattr(packed_seq_params, "cp_group", None)
+    if group is None:
+        if local == 1:
+            return True, None
+        raise SilentCPOffError(
+            f"packed_seq_params.local_cp_size={local} but packed_seq_params.cp_group is None: "
+            "dynamic CP must hand over the micro-batch's CP group (local_cp_size 1 alone "
+            "means no CP)"
+        )
+    size = _size(group)
+    if local is not None and local != size:
+        raise SilentCPOffError(
+            f"packed_seq_params.local_cp_size={local} but its cp_group has {size} ranks"
+        )
+    return True, group
+
+
 def mpu_pg_collection():
     """megatron's MPU groups (tp, cp, hcp) as a ProcessGroupCollection, without asserting they
     exist (the default of modules built without a collection)."""
@@ -79,22 +103,11 @@ def resolve_cp_groups(
 ) -> CPGroups:
     """Decide the CP groups of one attention call; see the module docstring."""
     comm = cp_comm_type or "p2p"
-    local = getattr(packed_seq_params, "local_cp_size", None)
-    dyn_group = getattr(packed_seq_params, "cp_group", None)
-    if local is not None or dyn_group is not None:
-        if local == 1 and dyn_group is None:
-            return CPGroups(comm, None, None, 1, dynamic=True)
+    dynamic, dyn_group = micro_batch_cp_group(packed_seq_params)
+    if dynamic:
         if dyn_group is None:
-            raise SilentCPOffError(
-                f"packed_seq_params.local_cp_size={local} but packed_seq_params.cp_group is None: "
-                "dynamic CP must hand over the micro-batch's CP group (local_cp_size 1 alone "
-                "means no CP)"
-            )
+            return CPGroups(comm, None, None, 1, dynamic=True)
         size = _size(dyn_group)
-        if local is not None and local != size:
-            raise SilentCPOffError(
-                f"packed_seq_params.local_cp_size={local} but its cp_group has {size} ranks"
-            )
         if comm == "a2a+p2p":
             raise SilentCPOffError(
                 "dynamic CP hands over flat per-micro-batch groups; a2a+p2p needs hierarchical "

@@ -1,6 +1,6 @@
-"""Decentralized process groups with hierarchical CP, and the Megatron-Bridge hook."""
+"""The Megatron-Bridge hook (the decentralized collection it builds lives in
+:mod:`megatron_hcp.parallel_state.collection`)."""
 
-from .collection import create_pg_collection, destroy_pg_collection
 from .hook import (
     BridgeHookError,
     BridgeNotInstalledError,
@@ -16,8 +16,6 @@ __all__ = [
     "BridgeNotInstalledError",
     "cp_config_from_model_config",
     "cp_config_from_overrides",
-    "create_pg_collection",
-    "destroy_pg_collection",
     "install",
     "installed",
     "uninstall",

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
+from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
-from .collection import create_pg_collection_and_grid, grid_views_available
 
 __all__ = [
     "BRIDGE_PATCHES",

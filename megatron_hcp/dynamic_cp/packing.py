@@ -8,36 +8,17 @@ chunks ``r`` and ``2c-1-r`` of each sequence, as Transformer Engine's THD layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..attention.reference.sharding import thd_partition_indices
+from ..sharding import MicroBatch, padded_length, thd_partition_indices
 
-__all__ = ["PackedMicroBatch", "pack_thd", "padded_length"]
-
-
-@dataclass
-class PackedMicroBatch:
-    """One rank's share of a packed micro-batch (tensors ``[1, T_local]``)."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    packed_seq_params: Any
-
-
-def padded_length(length: int, cp_size: int) -> int:
-    """Length of one sequence after padding for a CP group of ``cp_size`` ranks (a multiple of
-    ``2 * cp_size``; also for 1, the attention's two-halves layout)."""
-    unit = 2 * max(1, cp_size)
-    return -(-length // unit) * unit
+__all__ = ["pack_thd"]
 
 
 def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: Any = None,
-             *, dynamic: bool = False) -> PackedMicroBatch:
+             *, dynamic: bool = False) -> MicroBatch:
     """Pack ``samples`` (each ``[3, L]``) for CP rank ``cp_rank`` of ``cp_size``.
 
     ``dynamic`` sets ``local_cp_size``/``cp_group`` in the ``PackedSeqParams`` (the per
@@ -78,7 +59,7 @@ def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: 
     if dynamic:
         params.local_cp_size = cp_size
         params.cp_group = cp_group if cp_size > 1 else None
-    return PackedMicroBatch(
+    return MicroBatch(
         tokens=data[0].unsqueeze(0),
         labels=data[1].unsqueeze(0),
         loss_mask=data[2].unsqueeze(0).float(),

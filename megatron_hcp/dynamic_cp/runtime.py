@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .groups import DynamicCPGroups
-from .packing import PackedMicroBatch, pack_thd
+from ..parallel_state.dynamic import DynamicCPGroups
+from ..sharding import MicroBatch
+from .packing import pack_thd
 from .projection import Hardware
 from .scheduler import Plan, schedule
 from .workload import GPTWorkload
@@ -148,7 +149,7 @@ class DynamicCPDataPath:
 
     # ------------------------------------------------------------------ steps 4-5
     def step(self, ids: Sequence[int], load: Callable[[int], torch.Tensor]
-             ) -> tuple[Plan, list[PackedMicroBatch]]:
+             ) -> tuple[Plan, list[MicroBatch]]:
         """This rank's micro-batches for a global batch.
 
         ``ids`` are the sample ids this rank's DP replica loaded (the same count on every

@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..config import is_power_of_two
 from .projection import Hardware, group_seconds
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
@@ -98,14 +99,14 @@ class Plan:
 
 
 def _check_inputs(lengths, n, cap, min_cp_size, vpp) -> None:
-    if n < 1 or n & (n - 1):
+    if not is_power_of_two(n):
         raise ScheduleError(
             f"dp_cp={n}: dynamic CP groups are aligned power-of-two blocks of the DPxCP ranks, "
             "so DPxCP must be a power of two; change the DP or CP size"
         )
     if cap <= 0:
         raise ScheduleError(f"max_seqlen_per_dp_cp_rank={cap} must be > 0")
-    if min_cp_size < 1 or min_cp_size & (min_cp_size - 1) or min_cp_size > n:
+    if not is_power_of_two(min_cp_size) or min_cp_size > n:
         raise ScheduleError(
             f"min_cp_size={min_cp_size} must be a power of two <= dp_cp={n}"
         )

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if recipe.decentralized:
-            from ..bridge.collection import create_pg_collection, destroy_pg_collection
+            from ..parallel_state.collection import create_pg_collection, destroy_pg_collection
 
             apply(by_name(list(DECENTRALIZED_PATCHES)))
             pgc = create_pg_collection(recipe.config)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import is_power_of_two
+
 __all__ = [
     "ORDERS",
     "ParallelLayout",
@@ -201,9 +203,9 @@ def dynamic_cp_blocks(dp_cp_ranks: Sequence[int], min_size: int = 1) -> dict[int
     size, contiguous aligned blocks of its ranks (size == len(dp_cp_ranks) is the whole group).
     """
     n = len(dp_cp_ranks)
-    if n < 1 or n & (n - 1):
+    if not is_power_of_two(n):
         raise ValueError(f"a DPxCP group of {n} ranks: dynamic CP needs a power of two")
-    if min_size < 1 or min_size & (min_size - 1) or min_size > n:
+    if not is_power_of_two(min_size) or min_size > n:
         raise ValueError(
             f"min_dynamic_context_parallel_size={min_size} must be a power of two <= {n}"
         )

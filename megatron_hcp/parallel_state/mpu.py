@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
-from ..dynamic_cp.groups import DynamicCPGroups
+from .dynamic import DynamicCPGroups, create_dynamic_cp_groups
+from .groups import destroy_groups
 from .layout import ParallelLayout
 from .report import describe_cp_groups
 
 __all__ = [
     "LayoutMismatchError",
-    "destroy_groups",
     "destroy_model_parallel",
     "dynamic_cp_groups",
     "forget_stale_groups",
@@ -154,8 +154,6 @@ def _create_dynamic_groups(ps: Any, layout: ParallelLayout, min_size: int,
     ``create_group`` so that ``destroy_model_parallel`` destroys them)."""
     from datetime import timedelta
 
-    from ..dynamic_cp.groups import create_dynamic_cp_groups
-
     minutes = megatron_kwargs.get("distributed_timeout_minutes")
     groups = create_dynamic_cp_groups(
         layout.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
@@ -215,24 +213,6 @@ def forget_stale_groups(ps: Any) -> None:
     hybrid = getattr(ps, "_HYBRID_DP_CP_GROUPS", None)
     if isinstance(hybrid, dict):
         hybrid.clear()
-
-
-def destroy_groups(groups: Any) -> None:
-    """Destroy every live process group in ``groups`` (the default group is left alone).
-
-    gloo keeps threads and sockets per group: groups that are only forgotten pile up and slow
-    every later collective of the process.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    live = c10d._world.pg_map
-    seen: set[int] = set()
-    for group in groups:
-        if group is None or id(group) in seen or group is c10d.GroupMember.WORLD:
-            continue
-        seen.add(id(group))
-        if group in live:
-            dist.destroy_process_group(group)
 
 
 def destroy_model_parallel() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from ..attention.groups import micro_batch_cp_group
 from ..attention.te import make_te_forward, make_te_init
-from ..parallel_state.mpu import destroy_groups, forget_stale_groups
+from ..parallel_state.groups import destroy_groups
+from ..parallel_state.mpu import forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
 from .registry import Patch, Target
 
@@ -78,11 +80,7 @@ class NoCPGroup:
 
 def _dynamic_group(params: Any) -> tuple[bool, Any]:
     """(dynamic?, group) of a micro-batch's ``packed_seq_params`` (group None: no CP)."""
-    group = getattr(params, "cp_group", None)
-    local = getattr(params, "local_cp_size", None)
-    if group is None and local != 1:
-        return False, None
-    return True, group
+    return micro_batch_cp_group(params)
 
 
 def _make_attention_forward(original):

@@ -7,12 +7,11 @@ runs with different parallel layouts see identical data.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..attention.reference.sharding import get_local_chunk
+from ..sharding import MicroBatch, get_local_chunk
 
 __all__ = [
     "MicroBatch",
@@ -21,17 +20,6 @@ __all__ = [
     "varlen_lengths",
     "varlen_sample",
 ]
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as the model sees it (already sliced for this CP rank)."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    packed_seq_params: object = None
 
 
 def global_batch(seed: int, step: int, batch: int, seq_length: int, vocab: int

@@ -208,12 +208,15 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
 
 
 def _dynamic_groups(pg_collection: Any):
+    from ..parallel_state.dynamic import dynamic_cp_groups_of
+
     if pg_collection is not None:
-        groups = getattr(pg_collection, "dynamic_cp", None)
+        groups = dynamic_cp_groups_of(pg_collection)
         if groups is None:
             raise ValueError(
                 "dynamic_context_parallel=True but pg_collection has no dynamic_cp groups: "
-                "build it with megatron_hcp.bridge.create_pg_collection(config) where "
+                "build it with megatron_hcp.parallel_state.collection.create_pg_collection(config) "
+                "where "
                 "config.dynamic_context_parallel is True"
             )
         return groups

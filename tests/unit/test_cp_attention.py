@@ -19,7 +19,7 @@ from megatron_hcp.attention.reference import (
     pad_thd,
 )
 from megatron_hcp.local_world import RankError
-from megatron_hcp.parallel_state.hierarchical import new_groups
+from megatron_hcp.parallel_state.groups import new_groups
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups
 
 WORLD = 4

@@ -54,7 +54,7 @@ def _hooked_collection(tp, cp, pp, hcp, save_grid=False):
 def compare_with_mpu(tp, cp, pp, hcp, via_bridge_hook=False):
     from megatron.core import parallel_state as ps
 
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import (
         destroy_model_parallel,
         initialize_model_parallel,
@@ -173,8 +173,8 @@ def _provider(mods, pgc, monkeypatch_like):
 def hooked_save_grid():
     """save_grid=True with HCP through the hook: the one grid (with its hcp view) on the config
     where megatron-core has grid views; a named refusal where it does not."""
-    from megatron_hcp.bridge.collection import destroy_pg_collection, grid_views_available
     from megatron_hcp.config import CPConfigError
+    from megatron_hcp.parallel_state.collection import destroy_pg_collection, grid_views_available
 
     try:
         pgc, grid = _hooked_collection(2, 4, 1, [2, 2], save_grid=True)
@@ -203,8 +203,8 @@ def test_save_grid_with_hcp(world):
 
 def bridge_rebinding():
     """Bridge's provide / install_pg_collection hand TE the flat group; the hook restores hcp."""
-    from megatron_hcp.bridge.collection import destroy_pg_collection
     from megatron_hcp.bridge.hook import install, uninstall
+    from megatron_hcp.parallel_state.collection import destroy_pg_collection
 
     from . import _bridge
 
@@ -262,7 +262,7 @@ def test_bridge_hook_gives_te_the_hierarchical_groups_back(world):
 
 def two_grids():
     """Two 4-rank grids over one 8-rank world (rank_offset 0 and 4)."""
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.layout import ParallelLayout
 
     built = []
@@ -292,7 +292,7 @@ def test_rank_offsets_several_grids_one_world(world):
 def train(path, cp, hcp):
     from megatron.core import parallel_state as ps
 
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
     from megatron_hcp.patching import DECENTRALIZED_PATCHES, apply, apply_cpu_runtime, by_name
     from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
@@ -335,7 +335,7 @@ def test_decentralized_a2a_p2p_trains_like_mpu_and_cp1(world):
 
 
 def disagreeing_layout():
-    from megatron_hcp.bridge.collection import LayoutDisagreementError, _check
+    from megatron_hcp.parallel_state.collection import LayoutDisagreementError, _check
 
     try:
         _check("cp", [[0, 2, 1, 3]], [[0, 1, 2, 3]], ordered=True)
@@ -379,7 +379,7 @@ def test_cross_entropy_equals_megatron(world):
 def thread_count_over_cycles():
     import os
 
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
 
     def threads():

@@ -16,8 +16,9 @@ def dynamic_groups_case(tp: int, cp: int, min_size: int, decentralized: bool):
     from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.dynamic import dynamic_cp_groups_of
     from megatron_hcp.parallel_state.layout import ParallelLayout, dynamic_cp_blocks
     from megatron_hcp.parallel_state.mpu import (
         destroy_model_parallel,
@@ -31,7 +32,7 @@ def dynamic_groups_case(tp: int, cp: int, min_size: int, decentralized: bool):
                       min_dynamic_context_parallel_size=min_size, max_seqlen_per_dp_cp_rank=64)
     if decentralized:
         pgc = create_pg_collection(config)
-        groups = pgc.dynamic_cp
+        groups = dynamic_cp_groups_of(pgc)
     else:
         initialize_model_parallel(config, create_gloo_process_groups=False)
         groups = dynamic_cp_groups()
@@ -83,8 +84,8 @@ def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
           decentralized: bool = False, lengths: list[int] | None = None, cap: int = 96,
           batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True,
           extra_config: dict | None = None):
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
     from megatron_hcp.patching import (
         DECENTRALIZED_PATCHES,

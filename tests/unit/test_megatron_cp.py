@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.local_world import RankError
-from megatron_hcp.parallel_state.mpu import destroy_groups
+from megatron_hcp.parallel_state.groups import destroy_groups
 
 WORLD = 4
 RTOL = 1e-5

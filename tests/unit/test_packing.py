@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hcp.attention.reference.sharding import assemble_from_chunks
-from megatron_hcp.dynamic_cp.packing import pack_thd, padded_length
+from megatron_hcp.dynamic_cp.packing import pack_thd
+from megatron_hcp.sharding import assemble_from_chunks, padded_length
 from megatron_hcp.training.data import varlen_lengths, varlen_sample
 
 

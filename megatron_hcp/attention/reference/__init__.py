@@ -1,16 +1,16 @@
 """Pure-PyTorch context-parallel attention: p2p, all_gather, a2a, a2a+p2p; bshd, sbhd, thd."""
 
-from .api import context_parallel_attention, local_attention
-from .comm import CommCounter, CommRecord
-from .oracle import full_attention
-from .sharding import (
-    CPAttentionError,
+from ...sharding import (  # re-exported: the attention API's callers shard with these
     assemble_from_chunks,
     gather_from_cp,
     get_local_chunk,
     pad_thd,
     thd_partition_indices,
 )
+from .api import context_parallel_attention, local_attention
+from .comm import CommCounter, CommRecord
+from .oracle import full_attention
+from .seq_layout import CPAttentionError
 
 __all__ = [
     "CPAttentionError",

@@ -26,14 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ...config import CP_COMM_TYPES
+from ...sharding import seq_lengths
 from .functions import AllGatherAttention, RingAttention, UlyssesAllToAll
-from .sharding import (
-    CPAttentionError,
-    SeqLayout,
-    a2a_gather_permutation,
-    check_cu_seqlens,
-    seq_lengths,
-)
+from .seq_layout import CPAttentionError, SeqLayout, a2a_gather_permutation, check_cu_seqlens
 
 __all__ = ["context_parallel_attention", "local_attention"]
 

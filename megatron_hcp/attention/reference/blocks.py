@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sharding import SeqLayout
+from .seq_layout import SeqLayout
 
 __all__ = ["Block", "plan_block", "take"]
 

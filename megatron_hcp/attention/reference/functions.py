@@ -9,7 +9,7 @@
   inverse, each the other's backward.
 
 Tensors are ``[B, H, S, D]``; ``S`` is the local sequence in the two-halves layout of
-:class:`~.sharding.SeqLayout`.
+:class:`~.seq_layout.SeqLayout`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import comm
 from .blocks import Block, plan_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
-from .sharding import SeqLayout
+from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "UlyssesAllToAll"]
 

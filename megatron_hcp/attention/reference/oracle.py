@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .sharding import seq_lengths
+from ...sharding import seq_lengths
 
 __all__ = ["full_attention"]
 

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel_state.layout import dynamic_cp_blocks
+from .groups import destroy_groups, group_kwargs
+from .layout import dynamic_cp_blocks
 
-__all__ = ["DynamicCPGroups", "create_dynamic_cp_groups"]
+__all__ = ["DynamicCPGroups", "attach_dynamic_cp_groups", "create_dynamic_cp_groups",
+           "dynamic_cp_groups_of"]
 
 
 @dataclass
@@ -58,8 +60,6 @@ class DynamicCPGroups:
 
     def destroy(self) -> None:
         """Destroy the groups this object created (never the DPxCP group it was given)."""
-        from ..parallel_state.mpu import destroy_groups
-
         destroy_groups(self.created)
         self.created.clear()
         self.by_size.clear()
@@ -84,11 +84,7 @@ def create_dynamic_cp_groups(
     """
     make = new_group or dist.new_group
     rank = dist.get_rank()
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if pg_options is not None:
-        kwargs["pg_options"] = pg_options
+    kwargs = group_kwargs(timeout, pg_options)
     mine: list[int] | None = None
     by_size: dict[int, Any] = {}
     created: list[Any] = []
@@ -130,3 +126,18 @@ def create_dynamic_cp_groups(
                     f"{int(probe.item())}"
                 )
     return DynamicCPGroups(mine, by_size, min_size, created)
+
+
+# the attribute a decentralized ProcessGroupCollection carries its dynamic groups in (megatron's
+# ProcessGroupCollection has no such field); read and written only through these two functions
+_ON_COLLECTION = "dynamic_cp"
+
+
+def dynamic_cp_groups_of(pg_collection: Any) -> DynamicCPGroups | None:
+    """The dynamic CP groups attached to a decentralized ``pg_collection`` (None: none)."""
+    return getattr(pg_collection, _ON_COLLECTION, None)
+
+
+def attach_dynamic_cp_groups(pg_collection: Any, groups: DynamicCPGroups | None) -> None:
+    """Attach (or, with None, detach) ``groups`` to ``pg_collection``."""
+    setattr(pg_collection, _ON_COLLECTION, groups)

@@ -1,4 +1,5 @@
-"""Process groups for the levels of hierarchical CP, built from :mod:`.layout`."""
+"""Create and destroy process groups from rank lists (:mod:`.layout`): plain groups, the levels
+of hierarchical CP, and the one place that turns optional group options into keyword arguments."""
 
 from __future__ import annotations
 
@@ -10,7 +11,33 @@ import torch.distributed as dist
 
 from .layout import Groups, hierarchical_level_groups
 
-__all__ = ["create_hierarchical_groups", "new_groups"]
+__all__ = ["create_hierarchical_groups", "destroy_groups", "group_kwargs", "new_groups"]
+
+
+def group_kwargs(timeout: timedelta | None = None, pg_options: Any = None,
+                 **extra: Any) -> dict[str, Any]:
+    """Keyword arguments for ``torch.distributed`` group creation: only the options given
+    (``None`` leaves torch's default in place)."""
+    out = {"timeout": timeout, "pg_options": pg_options, **extra}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def destroy_groups(groups: Any) -> None:
+    """Destroy every live process group in ``groups`` (the default group is left alone).
+
+    gloo keeps threads and sockets per group: groups that are only forgotten pile up and slow
+    every later collective of the process.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    live = c10d._world.pg_map
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or id(group) in seen or group is c10d.GroupMember.WORLD:
+            continue
+        seen.add(id(group))
+        if group in live:
+            dist.destroy_process_group(group)
 
 
 def new_groups(
@@ -25,12 +52,8 @@ def new_groups(
     rank = dist.get_rank()
     mine = None
     for ranks in groups:
-        kwargs: dict[str, Any] = {"ranks": ranks, "backend": backend, "pg_options": pg_options}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        if group_desc is not None:
-            kwargs["group_desc"] = group_desc
-        group = dist.new_group(**kwargs)
+        group = dist.new_group(ranks=ranks, backend=backend,
+                               **group_kwargs(timeout, pg_options, group_desc=group_desc))
         if rank in ranks:
             mine = group
     return mine

@@ -27,9 +27,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
-from ..dynamic_cp.groups import create_dynamic_cp_groups
-from ..parallel_state.layout import ParallelLayout
-from ..parallel_state.report import describe_cp_groups
+from .dynamic import attach_dynamic_cp_groups, create_dynamic_cp_groups, dynamic_cp_groups_of
+from .groups import destroy_groups, group_kwargs
+from .layout import ParallelLayout
+from .report import describe_cp_groups
 
 __all__ = ["LayoutDisagreementError", "create_pg_collection", "create_pg_collection_and_grid",
            "destroy_pg_collection", "grid_views_available"]
@@ -164,11 +165,7 @@ def create_pg_collection_and_grid(
         for level, dim in enumerate(("a2a", "p2p")):
             _check(f"hcp[{level}]", level_enum(dim), layout.hcp[level], ordered=True)
 
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if pg_options is not None:
-        kwargs["pg_options"] = pg_options
+    kwargs = group_kwargs(timeout, pg_options)
     groups: dict[str, Any] = {}
     for name, dims in _DENSE.items():
         groups[name] = grid.create_pg(dims, group_desc=f"HCP_DECENTRALIZED_{name.upper()}",
@@ -210,11 +207,11 @@ def create_pg_collection_and_grid(
         inter_dist_opt=None,
     )
     if config.dynamic_context_parallel:
-        # not a ProcessGroupCollection field in megatron-core 0.16: an extra attribute, read
-        # by megatron_hcp.dynamic_cp.runtime and destroyed by destroy_pg_collection
-        collection.dynamic_cp = create_dynamic_cp_groups(
+        # not a ProcessGroupCollection field: attached (parallel_state.dynamic's accessor),
+        # destroyed by destroy_pg_collection
+        attach_dynamic_cp_groups(collection, create_dynamic_cp_groups(
             layout.groups["dp_cp"], groups["dp_cp"], config.min_dynamic_context_parallel_size,
-            timeout=timeout, pg_options=pg_options)
+            timeout=timeout, pg_options=pg_options))
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(layout):
             logger.info(line)
@@ -223,13 +220,12 @@ def create_pg_collection_and_grid(
 
 def destroy_pg_collection(collection: Any) -> None:
     """Destroy every process group of a collection built by :func:`create_pg_collection`."""
-    from ..parallel_state.mpu import destroy_groups
-
     groups = []
     for f in fields(collection):
         value = getattr(collection, f.name, None)
         groups.extend(value if isinstance(value, (list, tuple)) else [value])
-    dynamic = getattr(collection, "dynamic_cp", None)
+    dynamic = dynamic_cp_groups_of(collection)
     if dynamic is not None:
         dynamic.destroy()
+        attach_dynamic_cp_groups(collection, None)
     destroy_groups(groups)

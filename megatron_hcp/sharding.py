@@ -1,0 +1,163 @@
+"""Which tokens a CP rank holds: load-balanced chunks, packed (THD) sequences, padding, assembly.
+
+As megatron's ``get_batch_on_this_cp_rank`` does it: every sequence is cut into ``2*cp`` equal
+chunks and CP position ``r`` holds chunks ``r`` and ``2*cp-1-r`` (its *first* and *second half*),
+so causal attention work is the same on every rank. For packed ``thd`` data each sequence is cut
+that way separately, so every padded sequence length must be a multiple of ``2*cp``
+(:func:`padded_length` is the one rule, :func:`pad_thd` pads); a length that is not is refused,
+never truncated. ``cu_seqlens`` always describe the full (unsharded) packed batch, as in
+Transformer Engine and megatron's ``PackedSeqParams``.
+
+This module sits below the attention backend, the dynamic-CP packing and the training data
+(all of which import it); it imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MicroBatch",
+    "ShardingError",
+    "assemble_from_chunks",
+    "gather_from_cp",
+    "get_local_chunk",
+    "pad_thd",
+    "padded_length",
+    "seq_dim",
+    "seq_lengths",
+    "thd_partition_indices",
+]
+
+
+class ShardingError(ValueError):
+    """Bad sharding input (format, lengths), raised before any collective starts."""
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as a rank's model sees it (already sharded for its CP position)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: Any = None
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """Length of one sequence after padding for ``cp_size`` CP ranks: the next multiple of
+    ``2 * cp_size`` (also for 1: the attention's two-halves layout)."""
+    unit = 2 * max(1, cp_size)
+    return -(-length // unit) * unit
+
+
+def seq_dim(qkv_format: str) -> int:
+    """The sequence dimension of a ``bshd``, ``sbhd`` or ``thd`` tensor."""
+    try:
+        return {"bshd": 1, "sbhd": 0, "thd": 0}[qkv_format]
+    except KeyError:
+        raise ShardingError(
+            f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd"
+        ) from None
+
+
+def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def thd_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int
+                          ) -> torch.Tensor:
+    """Global token indices held by ``cp_rank`` (TE's ``thd_get_partitioned_indices``)."""
+    cu = [int(x) for x in cu_seqlens_padded.tolist()]
+    out = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        c = (end - start) // (2 * cp_size)
+        for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            out.append(torch.arange(start + chunk * c, start + (chunk + 1) * c))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def get_local_chunk(
+    x: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    qkv_format: str = "bshd",
+    cu_seqlens_padded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This CP rank's shard of a global tensor (chunks ``r`` and ``2*cp-1-r``)."""
+    dim = seq_dim(qkv_format)
+    if qkv_format == "thd":
+        if cu_seqlens_padded is None:
+            raise ShardingError("thd needs cu_seqlens_padded to cut sequences")
+        idx = thd_partition_indices(cu_seqlens_padded, cp_size, cp_rank).to(x.device)
+        return x.index_select(dim, idx)
+    if x.shape[dim] % (2 * cp_size):
+        raise ShardingError(
+            f"sequence length {x.shape[dim]} is not divisible by 2*cp_size={2 * cp_size}"
+        )
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+
+
+def assemble_from_chunks(
+    chunks: list[torch.Tensor],
+    qkv_format: str = "bshd",
+    cu_seqlens_padded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`get_local_chunk`: the global tensor from every rank's shard."""
+    cp = len(chunks)
+    dim = seq_dim(qkv_format)
+    if qkv_format == "thd":
+        if cu_seqlens_padded is None:
+            raise ShardingError("thd needs cu_seqlens_padded to reassemble sequences")
+        total = int(cu_seqlens_padded[-1])
+        shape = list(chunks[0].shape)
+        shape[dim] = total
+        out = chunks[0].new_zeros(shape)
+        for r, chunk in enumerate(chunks):
+            idx = thd_partition_indices(cu_seqlens_padded, cp, r).to(chunk.device)
+            out.index_copy_(dim, idx, chunk)
+        return out
+    pieces: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, chunk in enumerate(chunks):
+        a, b = chunk.chunk(2, dim=dim)
+        pieces[r], pieces[2 * cp - 1 - r] = a, b
+    return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
+
+
+def gather_from_cp(
+    local: torch.Tensor,
+    cp_group: dist.ProcessGroup,
+    qkv_format: str = "bshd",
+    cu_seqlens_padded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All-gather every rank's shard over ``cp_group`` and reassemble the global tensor."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(parts, local.contiguous(), group=cp_group)
+    return assemble_from_chunks(parts, qkv_format, cu_seqlens_padded)
+
+
+def pad_thd(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad every packed sequence of ``x`` (``[t, ...]``) to a multiple of ``2*cp_size``.
+
+    Returns the padded tensor (zeros after each sequence) and its ``cu_seqlens_padded``.
+    """
+    lengths = seq_lengths(cu_seqlens)
+    padded = [padded_length(n, cp_size) for n in lengths]
+    cu_pad = torch.zeros(len(padded) + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    cu_pad[1:] = torch.tensor(padded, dtype=cu_seqlens.dtype).cumsum(0)
+    out = x.new_zeros((int(cu_pad[-1]), *x.shape[1:]))
+    src = [int(v) for v in cu_seqlens.tolist()]
+    for i, n in enumerate(lengths):
+        out[int(cu_pad[i]) : int(cu_pad[i]) + n] = x[src[i] : src[i] + n]
+    return out, cu_pad
+
+

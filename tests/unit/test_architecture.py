@@ -1,0 +1,112 @@
+"""The package's layering (README "Where things are"): which module may import which.
+
+Imports are read from the source (every ``import`` / ``from`` statement, also inside functions),
+so a lazy import cannot hide a dependency that points upwards.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "megatron_hcp"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> dict[str, bool]:
+    """Project modules imported by ``path`` -> True when imported at module level."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    found: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.startswith("megatron_hcp") and target in MODULES:
+                found[target] = found.get(target, False) or id(node) in top
+    return found
+
+
+MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("lower, upper", [
+    ("megatron_hcp.parallel_state", "megatron_hcp.dynamic_cp"),
+    ("megatron_hcp.parallel_state", "megatron_hcp.attention"),
+    ("megatron_hcp.parallel_state", "megatron_hcp.bridge"),
+    ("megatron_hcp.parallel_state", "megatron_hcp.training"),
+    ("megatron_hcp.dynamic_cp", "megatron_hcp.attention"),
+    ("megatron_hcp.attention", "megatron_hcp.dynamic_cp"),
+    ("megatron_hcp.attention", "megatron_hcp.training"),
+    ("megatron_hcp.training.data", "megatron_hcp.attention"),
+])
+def test_lower_layers_never_import_upper_ones(lower, upper):
+    bad = sorted((src, dst) for src, deps in GRAPH.items() if _under(src, lower)
+                 for dst in deps if _under(dst, upper))
+    assert not bad, bad
+
+
+def test_sharding_and_config_import_nothing_of_the_project():
+    for name in ("megatron_hcp.sharding", "megatron_hcp.config"):
+        assert not GRAPH[name], (name, GRAPH[name])
+
+
+def test_process_group_code_lives_in_parallel_state():
+    """Every call that creates or destroys a process group (other than a process's default
+    group at exit) is under parallel_state/."""
+    calls = re.compile(r"new_group\(|new_subgroups_by_enumeration\(|\.create_pg\(|"
+                       r"destroy_process_group\(\s*[^)\s]")
+    outside = sorted(name for name, path in MODULES.items()
+                     if not _under(name, "megatron_hcp.parallel_state")
+                     and calls.search(path.read_text(encoding="utf-8")))
+    assert outside == [], outside
+
+
+def test_no_import_cycle():
+    """No cycle among module-level imports (a lazy import inside a function is allowed to point
+    sideways, never to close a cycle at import time)."""
+    graph = {n: [d for d, top in deps.items() if top and d != n] for n, deps in GRAPH.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in graph.get(node, []):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                # a package __init__ re-exporting its own submodules is not a cycle
+                if not all(_under(m, cycle[0]) or _under(cycle[0], m) for m in cycle):
+                    raise AssertionError(" -> ".join(cycle))
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
