@@ -1,19 +1,22 @@
 """Fork-style patches: ``patches/megatron-core-<version>/NNNN-<name>.patch`` as unified diffs.
 
 One diff per named runtime patch that a version needs (same names as ``megatron-hcp patch
-list``), applied to a Megatron-LM checkout or an installed ``megatron`` package directory with
-``git apply`` (atomic: all files of all patches, or nothing). ``check`` reports every patch of the
-series for the target's version: applied, applicable or conflicting where a diff was written for
-it, else "fixed upstream in X" or "not written for this version"; ``apply``/``revert`` refuse a
-megatron-core version no diffs were written for and refuse to start when any patch conflicts.
+list``), applied to a Megatron-LM checkout or an installed ``megatron`` package directory by this
+module's own diff engine (no git: a target inside another git work tree is patched like any
+other) as a transaction: every file or none, with a byte-for-byte verified rollback, and a
+read-back check that the files carry the change before "applied" is said. ``check`` reports
+every patch of the series for the target's version: applied, applicable or conflicting where a
+diff was written for it, else "fixed upstream in X" or "not written for this version";
+``apply``/``revert`` refuse a megatron-core version no diffs were written for and refuse to
+start when any patch conflicts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,10 +178,152 @@ def _require_series(version: str) -> list[Path]:
     return files
 
 
-def _git_apply(root: Path, files: list[Path], *args: str) -> subprocess.CompletedProcess:
-    # --unsafe-paths/--directory are not needed: paths are relative to root (cwd)
-    return subprocess.run(["git", "apply", "--whitespace=nowarn", *args, *map(str, files)],
-                          cwd=root, capture_output=True, text=True)
+# ---------------------------------------------------------------- the diff engine
+# Our own diffs are applied by this module, not by ``git apply``: git skips every path when the
+# target lies inside another git work tree (e.g. a virtualenv inside a repository) and still
+# succeeds. Nothing here depends on git or on the target's surroundings.
+
+
+class _Conflict(Exception):
+    """A hunk does not match the file (reason in the message)."""
+
+
+@dataclass(frozen=True)
+class _Hunk:
+    old_start: int  # 1-based line of the old side
+    new_start: int
+    old: tuple[str, ...]  # context and removed lines
+    new: tuple[str, ...]  # context and added lines
+
+
+@dataclass(frozen=True)
+class _FileDiff:
+    path: str  # relative to the target root (megatron/core/...)
+    new_file: bool
+    hunks: tuple[_Hunk, ...]
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+
+
+def _parse_diff(body: str) -> list[_FileDiff]:
+    """The file diffs of a unified diff written by ``patches/generate.py``."""
+    out = []
+    for block in re.split(r"^diff --git ", body, flags=re.M)[1:]:
+        lines = block.splitlines(keepends=True)
+        path = lines[0].split()[0].removeprefix("a/")
+        new_file = any(ln.startswith("new file mode") for ln in lines[1:4])
+        hunks, cur = [], None
+        for line in lines[1:]:
+            m = _HUNK.match(line)
+            if m:
+                cur = (int(m.group(1)), int(m.group(2)), [], [])
+                hunks.append(cur)
+            elif cur is not None and line[:1] in (" ", "-", "+"):
+                if line[0] in " -":
+                    cur[2].append(line[1:])
+                if line[0] in " +":
+                    cur[3].append(line[1:])
+        out.append(_FileDiff(path, new_file, tuple(
+            _Hunk(a, b, tuple(old), tuple(new)) for a, b, old, new in hunks)))
+    return out
+
+
+def _patch_text(text: str | None, diff: _FileDiff, reverse: bool) -> str | None:
+    """``text`` with ``diff`` applied (or reverted); None is an absent file."""
+    if diff.new_file:
+        content = "".join(diff.hunks[0].new) if diff.hunks else ""
+        if reverse:
+            if text != content:
+                raise _Conflict(f"{diff.path}: differs from the file this diff adds")
+            return None
+        if text is not None:
+            raise _Conflict(f"{diff.path}: already exists")
+        return content
+    if text is None:
+        raise _Conflict(f"{diff.path}: missing")
+    lines = text.splitlines(keepends=True)
+    cursor, delta = 0, 0
+    for hunk in diff.hunks:
+        old, new = (hunk.new, hunk.old) if reverse else (hunk.old, hunk.new)
+        expected = (hunk.new_start if reverse else hunk.old_start) - 1 + delta
+        n = len(old)
+        found = [p for p in range(cursor, len(lines) - n + 1)
+                 if (not n or lines[p] == old[0]) and tuple(lines[p:p + n]) == old]
+        if not found:
+            raise _Conflict(f"{diff.path}: the hunk at line {expected + 1} does not match "
+                            "(the region was edited)")
+        pos = min(found, key=lambda p: abs(p - expected))
+        lines[pos:pos + n] = new
+        cursor = pos + len(new)
+        delta += len(new) - n
+    return "".join(lines)
+
+
+def _read(file: Path) -> str | None:
+    return file.read_text(encoding="utf-8") if file.is_file() else None
+
+
+def _write(file: Path, content: str | None) -> None:
+    """Write (temp file, fsync, rename) or, for None, remove ``file``."""
+    if content is None:
+        file.unlink(missing_ok=True)
+        return
+    tmp = file.with_name(f".{file.name}.megatron-hcp.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def _transaction(root: Path, changes: dict[str, str | None], what: str) -> None:
+    """Write every changed file, or none: on any failure every file is restored from its backup
+    and checked byte for byte. Afterwards each file is read back and compared."""
+    backups = {path: _read(root / path) for path in changes}
+    touched: list[str] = []
+    try:
+        for path, content in changes.items():
+            touched.append(path)
+            _write(root / path, content)
+        for path, content in changes.items():
+            if _read(root / path) != content:
+                raise OSError(f"{path} does not read back as written")
+    except Exception as err:  # noqa: BLE001 - roll back whatever failed
+        lost = []
+        for path in reversed(touched):
+            try:
+                _write(root / path, backups[path])
+                if _read(root / path) != backups[path]:
+                    raise OSError("differs from the backup after restoring")
+            except Exception as restore_err:  # noqa: BLE001
+                lost.append(f"{path} ({restore_err})")
+        if lost:
+            raise PatchError(f"{what} failed ({err}) and these files could NOT be restored: "
+                             f"{'; '.join(lost)}") from err
+        raise PatchError(f"{what} failed ({err}); nothing was changed (every file restored "
+                         "and verified byte for byte)") from err
+
+
+def _simulate(root: Path, files: list[Path], reverse: bool,
+              state: dict[str, str | None] | None = None) -> dict[str, str | None]:
+    """New contents after applying (or reverting) ``files`` in order, in memory."""
+    state = {} if state is None else state
+    for file in files:
+        for diff in _parse_diff(read_header(file)["body"]):
+            if diff.path not in state:
+                state[diff.path] = _read(root / diff.path)
+            state[diff.path] = _patch_text(state[diff.path], diff, reverse)
+    return state
+
+
+def _marker_present(root: Path, file: Path, name: str) -> bool:
+    marker = f"megatron-hcp {name}"
+    for diff in _parse_diff(read_header(file)["body"]):
+        text = _read(root / diff.path)
+        if text is None or (not diff.new_file and marker not in text):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -210,18 +355,27 @@ def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
         if file is None:
             out.append(PatchStatus(patch.name, None, patch.status(version)))
             continue
-        if _git_apply(root, [file], "--check", "-R").returncode == 0:
-            out.append(PatchStatus(patch.name, file, "applied"))
-            continue
-        res = _git_apply(root, [file], "--check")
-        out.append(PatchStatus(patch.name, file,
-                               "applicable" if res.returncode == 0 else "conflicts",
-                               res.stderr.strip()))
+        try:
+            _simulate(root, [file], reverse=True)
+            if _marker_present(root, file, patch.name):
+                out.append(PatchStatus(patch.name, file, "applied"))
+                continue
+        except _Conflict:
+            pass
+        try:
+            _simulate(root, [file], reverse=False)
+            out.append(PatchStatus(patch.name, file, "applicable"))
+        except _Conflict as err:
+            out.append(PatchStatus(patch.name, file, "conflicts", str(err)))
     return version, out
 
 
 def apply_diffs(path: str | Path) -> list[str]:
-    """Apply every not-yet-applied diff in one atomic ``git apply``; return their names."""
+    """Apply every not-yet-applied diff as one transaction; return their names.
+
+    Refuses (changing nothing) when any diff conflicts. Every file is written or none is, and
+    is read back afterwards; then the target is checked again: each applied diff must be found
+    in the files (its changes and its ``megatron-hcp <name>`` markers)."""
     root = target_root(path)
     _require_series(target_version(root))
     version, statuses = check_diffs(root)
@@ -232,20 +386,45 @@ def apply_diffs(path: str | Path) -> list[str]:
                          + " - nothing was changed")
     todo = [s for s in statuses if s.state == "applicable"]
     if todo:
-        res = _git_apply(root, [s.file for s in todo])
-        if res.returncode:
-            raise PatchError(f"git apply failed, nothing was changed: {res.stderr.strip()}")
+        try:
+            changes = _simulate(root, [s.file for s in todo], reverse=False)
+        except _Conflict as err:  # two diffs overlap in a way the check could not see
+            raise PatchError(f"{err} - nothing was changed") from err
+        _transaction(root, changes, "patch apply")
+        _verify(root, todo, "applied")
     return [s.name for s in todo]
 
 
 def revert_diffs(path: str | Path) -> list[str]:
-    """Revert every applied diff (newest first) in one atomic ``git apply -R``."""
+    """Revert every applied diff (newest first) as one transaction; return their names.
+
+    A diff whose region was edited since it was applied (state "conflicts") makes the whole
+    revert refuse, naming the file, before anything is written."""
     root = target_root(path)
     _require_series(target_version(root))
     version, statuses = check_diffs(root)
-    applied = [s for s in statuses if s.state == "applied"]
+    bad = [s for s in statuses if s.state == "conflicts"]
+    if bad:
+        raise PatchError(f"megatron-core {version} at {root}: cannot revert "
+                         + "; ".join(f"{s.name} ({s.detail})" for s in bad)
+                         + " - nothing was changed; restore those files (e.g. reinstall "
+                         "megatron-core) or revert the edit first")
+    applied = [s for s in reversed(statuses) if s.state == "applied"]
     if applied:
-        res = _git_apply(root, [s.file for s in reversed(applied)], "-R")
-        if res.returncode:
-            raise PatchError(f"git apply -R failed, nothing was changed: {res.stderr.strip()}")
-    return [s.name for s in reversed(applied)]
+        try:
+            changes = _simulate(root, [s.file for s in applied], reverse=True)
+        except _Conflict as err:
+            raise PatchError(f"{err} - nothing was changed") from err
+        _transaction(root, changes, "patch revert")
+        _verify(root, applied, "applicable")
+    return [s.name for s in applied]
+
+
+def _verify(root: Path, done: list[PatchStatus], want: str) -> None:
+    """After a transaction: every diff it handled is now in state ``want`` when read back."""
+    _, after = check_diffs(root)
+    state = {s.name: s.state for s in after}
+    wrong = [f"{s.name} is {state[s.name]}" for s in done if state[s.name] != want]
+    if wrong:
+        raise PatchError(f"after writing, the files do not carry what was written: "
+                         f"{'; '.join(wrong)}")

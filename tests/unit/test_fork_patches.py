@@ -132,6 +132,77 @@ def test_refuses_other_versions_and_conflicts_atomically(pristine, tmp_path):
         check_diffs(tmp_path)
 
 
+def test_a_target_inside_another_git_work_tree_is_really_patched(pristine, tmp_path):
+    """git apply skips every path of a target inside another repository and succeeds; the
+    engine does not use git: "applied" is only said of files that carry the change."""
+    repo = tmp_path / "repo"
+    shutil.copytree(pristine, repo)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    before = snapshot(repo)
+    assert {s.state for s in check_diffs(repo)[1] if s.has_diff} == {"applicable"}
+    assert apply_diffs(repo) == series_for(INSTALLED)
+    attention = (repo / "megatron/core/transformer/attention.py").read_text()
+    assert "megatron-hcp attention-dynamic-cp-rope" in attention
+    assert snapshot(repo) != before
+    assert {s.state for s in check_diffs(repo)[1] if s.has_diff} == {"applied"}
+    revert_diffs(repo)
+    assert snapshot(repo) == before
+
+
+def test_revert_of_an_edited_region_changes_nothing_and_names_it(pristine, tmp_path):
+    target = tmp_path / "pkg"
+    shutil.copytree(pristine, target)
+    apply_diffs(target)
+    attention = target / "megatron/core/transformer/attention.py"
+    text = attention.read_text()
+    line = next(ln for ln in text.splitlines() if "rope_cp_group = self.pg_collection.cp" in ln)
+    attention.write_text(text.replace(line, line + "  # edited after patching", 1))
+    before = snapshot(target)
+    states = {s.name: s.state for s in check_diffs(target)[1]}
+    assert states["attention-dynamic-cp-rope"] == "conflicts"
+    with pytest.raises(PatchError, match="cannot revert attention-dynamic-cp-rope .*"
+                       "megatron/core/transformer/attention.py.* nothing was changed"):
+        revert_diffs(target)
+    assert snapshot(target) == before
+
+
+def test_a_write_failure_rolls_every_file_back(pristine, tmp_path, monkeypatch):
+    from megatron_hcp.patching import forkpatch
+
+    target = tmp_path / "pkg"
+    shutil.copytree(pristine, target)
+    before = snapshot(target)
+    real_write, failed = forkpatch._write, []
+
+    def flaky(file, content):  # the 5th file written fails once (e.g. an immutable file)
+        failed.append(file)
+        if len(failed) == 5:
+            raise OSError(f"[Errno 1] Operation not permitted: {file}")
+        real_write(file, content)
+
+    monkeypatch.setattr(forkpatch, "_write", flaky)
+    with pytest.raises(PatchError, match="Operation not permitted.*nothing was changed"):
+        apply_diffs(target)
+    assert snapshot(target) == before  # byte for byte, incl. the 4 files already written
+    assert not (target / "megatron/core/cpu_runtime.py").exists()
+
+    stuck: list[Path] = []
+
+    def disk_gone(file, content):  # the 5th file fails, and fails again when restored
+        failed.append(file)
+        if len(failed) == 5:
+            stuck.append(file)
+        if file in stuck:
+            raise OSError("disk gone")
+        real_write(file, content)
+
+    failed.clear()
+    monkeypatch.setattr(forkpatch, "_write", disk_gone)
+    with pytest.raises(PatchError, match="could NOT be restored") as info:
+        apply_diffs(target)
+    assert str(stuck[0].relative_to(target)) in str(info.value)
+
+
 # every megatron-core release on the package index from the oldest to the newest supported one
 RELEASES = ("0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
 
