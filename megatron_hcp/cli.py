@@ -8,6 +8,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from .planner import command as plan_command
+
 __all__ = ["main"]
 
 
@@ -276,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a Gantt chart (PNG)")
     p.set_defaults(func=_schedule)
+
+    p = sub.add_parser("plan", help="rank TP/CP/PP/DP, cp_comm_type, HCP sizes and dynamic-CP "
+                                    "knobs for a model on a cluster (projected step time, memory)")
+    plan_command.add_arguments(p)
+    p.set_defaults(func=plan_command.run)
 
     patch = sub.add_parser("patch", help="runtime patches of megatron-core")
     patch_sub = patch.add_subparsers(dest="patch_command", required=True)
