@@ -8,8 +8,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .planner import command as plan_command
-
 __all__ = ["main"]
 
 
@@ -227,6 +225,8 @@ def _functional(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .planner import command as plan_command
+
     parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
