@@ -167,13 +167,14 @@ def bridge_overrides(e: Estimate, global_batch: int, distributed_optimizer: bool
                 f"model.max_seqlen_per_dp_cp_rank={lay.cap}",
                 "model.calculate_per_token_loss=True"]
     if lay.seq_length is not None:
-        out.append(f"model.seq_length={lay.seq_length}")
+        out += [f"model.seq_length={lay.seq_length}", f"dataset.sequence_length={lay.seq_length}"]
     out.append(f"model.recompute_granularity={e.recompute}")
     if e.recompute == "full":
         out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
     if tp_comm_overlap and lay.tp > 1:
         out.append("comm_overlap.tp_comm_overlap=True")
     out += [f"ddp.use_distributed_optimizer={distributed_optimizer}",
+            f"optimizer.use_distributed_optimizer={distributed_optimizer}",
             "ddp.overlap_grad_reduce=True",
             f"ddp.overlap_param_gather={distributed_optimizer}",
             f"train.global_batch_size={global_batch}", "train.micro_batch_size=1"]
@@ -211,9 +212,13 @@ def plot_breakdown(ranked: list[Estimate], path: str, top: int) -> None:
         widths = [e.breakdown[part] for e in shown]
         ax.barh(labels, widths, left=left, color=colors[part], label=part)
         left = [a + b for a, b in zip(left, widths)]
+    for y, e in enumerate(shown):  # what is not compute, as a share of the step
+        over = 100 * (1 - e.breakdown["compute"] / e.step_seconds)
+        ax.text(e.step_seconds, y, f" {over:.1f} % comm/bubble", va="center", fontsize=8)
+    ax.set_xlim(0, max(e.step_seconds for e in shown) * 1.25)
     ax.set_xlabel("projected seconds per step")
     ax.set_title("step-time breakdown of the top layouts (best at the top)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
