@@ -92,7 +92,8 @@ def _build(args: argparse.Namespace):
     given = [x for x in (args.seq_length, args.lengths, args.lognormal) if x is not None]
     if len(given) > 1:
         raise PlanInputError("give one of --seq-length, --lengths, --lognormal")
-    global_batch = args.global_batch or file_batch.get("global_batch")
+    global_batch = (args.global_batch if args.global_batch is not None
+                    else file_batch.get("global_batch"))
     if global_batch is not None and global_batch < 1:
         raise PlanInputError(f"--global-batch {global_batch} must be >= 1")
     if args.lengths:
@@ -122,8 +123,11 @@ def _build(args: argparse.Namespace):
     for name in ("intra_latency_us", "inter_latency_us"):
         if not getattr(args, name) >= 0:
             raise PlanInputError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.top < 1:
-        raise PlanInputError("--top must be >= 1")
+    for name in ("top", "max_tp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seed < 0:
+        raise PlanInputError("--seed must be >= 0")
     cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       flops_per_second=args.tflops * 1e12,
                       intra_bytes_per_second=args.intra_gbps * 1e9,
@@ -145,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = plan(*_build(args))
-    except PlanInputError as err:
-        print(f"megatron-hcp plan: {err}", file=sys.stderr)
+    except (PlanInputError, ValueError, OverflowError) as err:  # input errors, one line
+        print(f"megatron-hcp plan: {err}".splitlines()[0], file=sys.stderr)
         return 2
     if args.plot:
         try:

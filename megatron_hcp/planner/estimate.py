@@ -114,8 +114,10 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
     accepted: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
     max_tp = options.max_tp or cluster.gpus_per_node
+    gpn = cluster.gpus_per_node
     for tp in _divisors(world):
-        if tp > max_tp:
+        # TP groups are contiguous ranks: inside one node (tp | gpn), or whole nodes (--max-tp)
+        if tp > max_tp or (gpn % tp if tp <= gpn else tp % gpn):
             continue
         for pp in _divisors(world // tp):
             if model.num_layers % pp:
@@ -351,8 +353,11 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     if layout.dynamic:
         dp_cp = tuple(grid.groups["dp_cp"][0])
         n = len(dp_cp)
-        plan = schedule(lengths, n, layout.cap, workload=model.workload(),
-                        min_cp_size=layout.min_cp, hardware=cluster.hardware(dp_cp))
+        try:  # the scheduler ranks its plans with the DPxCP group's slowest link
+            plan = schedule(lengths, n, layout.cap, workload=model.workload(),
+                            min_cp_size=layout.min_cp, hardware=cluster.hardware(dp_cp))
+        except ScheduleError:
+            return None
         per_mb = []
         sizes: dict[int, int] = {}
         for mb in plan.micro_batches:

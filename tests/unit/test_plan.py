@@ -306,6 +306,12 @@ def test_model_from_recipe_file(capsys):
       "--global-batch", "2", "--recompute", "none"], "invalid choice"),
     (["--model", "/nonexistent.yaml", "--seq-length", "64", "--global-batch", "2"],
      "--model"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",
+      "--global-batch", "0"], "--global-batch 0"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",
+      "--global-batch", "2", "--max-tp", "0"], "--max-tp"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",
+      "--global-batch", "2", "--plot", "/nonexistent/dir/x.png"], "--plot"),
 ])
 def test_input_errors_are_one_line_exit_2(argv, fragment, capsys):
     try:
