@@ -74,7 +74,15 @@ from ..dynamic_cp.projection import OVERLAP_SLOWDOWN, Cluster
 from . import estimate as _est
 from .estimate import Estimate, Layout, enumerate_layouts, estimate, usable_bytes
 from .inputs import Batch, ModelSpec, Options, PlanInputError
-from .report import bridge_overrides, describe, dominant, megatron_flags, rank, why
+from .report import (
+    bridge_overrides,
+    describe,
+    dominant,
+    flag_notes,
+    megatron_flags,
+    rank,
+    why,
+)
 
 __all__ = ["Batch", "Cluster", "Estimate", "Layout", "ModelSpec", "Options", "PlanInputError",
            "PlanResult", "plan"]
@@ -101,7 +109,16 @@ class PlanResult:
         raise KeyError(label)
 
     def why(self, e: Estimate) -> str:
-        return why(e, self.winner, usable_bytes(self.cluster))
+        contrast = None
+        if e is self.winner:
+            kind = (e.layout.dynamic, e.layout.cp_comm_type if e.layout.cp > 1 else None)
+            contrast = next(((i + 1, x) for i, x in enumerate(self.ranked)
+                             if (x.layout.dynamic, x.layout.cp_comm_type if x.layout.cp > 1
+                                 else None) != kind), None)
+        return why(e, self.winner, usable_bytes(self.cluster), contrast)
+
+    def notes(self) -> list[str]:
+        return flag_notes(self.winner)
 
     def flags(self) -> list[str]:
         return megatron_flags(self.winner, len(self.batch.lengths),
@@ -154,7 +171,8 @@ class PlanResult:
                           "logit_bytes": _est.LOGIT_BYTES},
             "layouts": layouts,
             "winner": {"label": self.winner.layout.label, "why": self.why(self.winner),
-                       "megatron_flags": self.flags(), "bridge_overrides": self.overrides()},
+                       "megatron_flags": self.flags(), "bridge_overrides": self.overrides(),
+                       "notes": self.notes()},
             "rejected_by_cpconfig": len(self.rejected),
             "rejected_examples": [{"label": lay.label, "reason": reason}
                                   for lay, reason in self.rejected[:5]],

@@ -173,4 +173,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("megatron flags:   " + shlex.join(result.flags()))
     print("Bridge overrides: " + shlex.join(result.overrides()))
+    for note in result.notes():
+        print(f"note: {note}")
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .estimate import Estimate, Layout
 
-__all__ = ["bridge_overrides", "dominant", "megatron_flags", "plot_breakdown", "rank",
-           "table", "why"]
+__all__ = ["bridge_overrides", "dominant", "flag_notes", "megatron_flags", "plot_breakdown",
+           "rank", "table", "why"]
 
 GB = 1e9
 #: two layouts whose memory differs by less than this are "equal memory" in the tie rule
@@ -74,8 +74,17 @@ def _share(e: Estimate, part: str) -> float:
     return 100 * e.breakdown[part] / e.step_seconds
 
 
-def why(e: Estimate, winner: Estimate, usable: float) -> str:
-    """One sentence on a layout's place in the ranking."""
+def _kind(e: Estimate) -> str:
+    lay = e.layout
+    if lay.dynamic:
+        return "dynamic-CP"
+    return "no-CP" if lay.cp == 1 else str(lay.cp_comm_type)
+
+
+def why(e: Estimate, winner: Estimate, usable: float,
+        contrast: tuple[int, Estimate] | None = None) -> str:
+    """One sentence on a layout's place in the ranking; for the winner, ``contrast`` (rank,
+    layout) is the best layout of another CP kind, whose dominant cost is named."""
     lay = e.layout
     mem = e.memory["total"] / GB
     overheads = [p for p in PARTS[1:] if e.breakdown[p] > 0]
@@ -94,6 +103,13 @@ def why(e: Estimate, winner: Estimate, usable: float) -> str:
             text += (f"; it is {slower:.1f} % slower than the fastest ({other.layout.label}), "
                      f"inside the tie tolerance, and leaves "
                      f"{(other.memory['total'] - e.memory['total']) / GB:.1f} GB more free per GPU")
+        if contrast is not None:
+            pos, alt = contrast
+            part = dominant(alt)
+            text += (f"; the best {_kind(alt)} layout (#{pos}, {alt.layout.label}) is "
+                     f"{100 * (alt.step_seconds / e.step_seconds - 1):.1f} % slower"
+                     + (f", {describe(part, alt)} costing it {_share(alt, part):.1f} %"
+                        if part != "compute" else ""))
         return text + "."
     delta = 100 * (e.step_seconds / winner.step_seconds - 1)
     part = dominant(e)
@@ -112,6 +128,21 @@ def why(e: Estimate, winner: Estimate, usable: float) -> str:
                  f"faster {other.layout.label} (a tie) for "
                  f"{(other.memory['total'] - e.memory['total']) / GB:.1f} GB less per GPU")
     return text + "."
+
+
+def flag_notes(e: Estimate) -> list[str]:
+    """What the winner's flags need beyond themselves."""
+    lay, notes = e.layout, []
+    if lay.hcp:
+        notes.append("a2a+p2p needs Transformer Engine >= 1.12; on Megatron-Bridge it runs on "
+                     "the MPU path (dist.use_decentralized_pg=False), or decentralized with "
+                     "megatron_hcp.bridge.install()")
+    if lay.dynamic:
+        notes.append("the flags are the recipes' (megatron_hcp's dynamic-CP runtime, "
+                     "patching.apply_dynamic_cp()); released megatron-core (0.16.1, 0.19.2) and "
+                     "Bridge name the switch hybrid_context_parallel and have no minimum group "
+                     "size field (min_dynamic_context_parallel_size is megatron_hcp's)")
+    return notes
 
 
 def _batch_flags(lay: Layout, global_batch: int) -> list[str]:
@@ -162,7 +193,7 @@ def bridge_overrides(e: Estimate, global_batch: int, distributed_optimizer: bool
     if lay.hcp:
         out.append(f"model.hierarchical_context_parallel_sizes=[{lay.hcp[0]},{lay.hcp[1]}]")
     if lay.dynamic:
-        out += ["model.dynamic_context_parallel=True",
+        out += ["model.hybrid_context_parallel=True",  # the field of released megatron-core
                 f"model.min_dynamic_context_parallel_size={lay.min_cp}",
                 f"model.max_seqlen_per_dp_cp_rank={lay.cap}",
                 "model.calculate_per_token_loss=True"]

@@ -26,7 +26,7 @@ from megatron_hcp.planner.estimate import (
     usable_bytes,
 )
 from megatron_hcp.planner.inputs import lognormal
-from megatron_hcp.planner.report import megatron_flags
+from megatron_hcp.planner.report import bridge_overrides, megatron_flags
 
 # The Bridge page's decision example: 8 KV heads, 4 nodes x 8 GPUs, 128K sequences. The page
 # names no model; this is the Llama-3-8B shape (32 layers, hidden 4096, 32 heads, 8 KV heads,
@@ -171,7 +171,8 @@ def test_json_schema(capsys):
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting layouts first, the others kept
     w = out["winner"]
-    assert w["label"] == rows[0]["label"]
+    assert w["label"] == rows[0]["label"] and isinstance(w["notes"], list)
+    assert "the best " in w["why"]  # contrast with the best layout of another CP kind
     assert all(isinstance(x, str) for x in w["megatron_flags"] + w["bridge_overrides"])
 
 
@@ -205,6 +206,14 @@ def test_length_distribution_gives_dynamic_cp_candidates():
     f = megatron_flags(best, len(batch.lengths), True, False)
     assert f[f.index("--max-seqlen-per-dp-cp-rank") + 1] == str(best.layout.cap)
     assert f[f.index("--min-dynamic-context-parallel-size") + 1] == str(best.layout.min_cp)
+    # the Bridge overrides give back the same validated dynamic-CP config
+    pairs = [o.split(".", 1)[1] for o in bridge_overrides(best, len(batch.lengths), True, False)
+             if o.startswith("model.")]
+    cfg = CPConfig.from_pairs([p for p in pairs if p.split("=")[0] in CPConfig.field_names()])
+    cfg.data_parallel_size = best.layout.dp
+    cfg.validate()
+    assert cfg.dynamic and cfg.max_seqlen_per_dp_cp_rank == best.layout.cap
+    assert cfg.min_dynamic_context_parallel_size == best.layout.min_cp
 
 
 # ------------------------------------------------------------------ cost terms by hand
