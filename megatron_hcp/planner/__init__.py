@@ -1,7 +1,8 @@
 """Layout planner (``megatron-hcp plan``): TP / CP / PP / DP, cp_comm_type, HCP sizes and the
 dynamic-CP knobs for a model on a cluster, ranked by projected step time, with the reasons.
 
-Enumeration. TP divides the GPUs per node (TP stays inside a node), PP divides the layer count,
+Enumeration. TP divides the GPUs per node (TP groups are contiguous ranks inside a node; larger
+TP only with ``--max-tp``, in whole nodes), PP divides the layer count,
 CP x DP fills the rest; CP > 1 tries ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` with every
 ``[a2a, p2p]`` factorisation with both levels >= 2. A fixed-length batch needs the global batch
 divisible by DP (megatron's rule, micro-batch size 1). Every layout is validated by

@@ -191,13 +191,15 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int
     elif layout.cp_comm_type in ("p2p", "a2a+p2p"):
         working += 2 * 2 * tokens * kv_local  # K/V chunk in flight and the one being used
     logits = LOGIT_BYTES * tokens * model.vocab_size / tp
-    first_total = first / tp * per_param + per_mb * in_flight + working
-    last_total = last / tp * per_param + per_mb + working + logits
-    weights = max(first, last) / tp * per_param
-    acts = per_mb * (in_flight if first_total >= last_total else 1) + working
-    total = max(first_total, last_total)
-    return {"weights_optimizer": weights, "activations": acts,
-            "logits": logits if last_total > first_total else 0.0, "total": total}
+    stages = [  # (weights + optimizer, activations, logits) of the first and the last stage
+        (first / tp * per_param, per_mb * in_flight + working, 0.0),
+        (last / tp * per_param, per_mb + working, logits),
+    ]
+    if pp == 1:
+        stages = [(first / tp * per_param, per_mb * in_flight + working, logits)]
+    weights, acts, out = max(stages, key=sum)
+    return {"weights_optimizer": weights, "activations": acts, "logits": out,
+            "total": weights + acts + out}
 
 
 def _usable(cluster: Cluster) -> float:

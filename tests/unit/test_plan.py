@@ -164,6 +164,9 @@ def test_json_schema(capsys):
         assert set(r["breakdown_seconds"]) == {"compute", "cp", "tp", "pp_bubble", "dp"}
         assert sum(r["breakdown_seconds"].values()) == pytest.approx(r["step_seconds"])
         assert set(r["memory_gb"]) == {"weights_optimizer", "activations", "logits", "total"}
+        mem = r["memory_gb"]
+        assert mem["weights_optimizer"] + mem["activations"] + mem["logits"] == pytest.approx(
+            mem["total"])
         assert r["recompute"] in ("selective", "full")
         assert r["dominant_cost"] in ("compute", "cp", "tp", "pp_bubble", "dp")
     assert all(isinstance(r["why"], str) for r in rows[:3])
@@ -272,6 +275,19 @@ def test_memory_terms_by_hand():
     mem = memory_per_gpu(mha, lay, 0, 1, "selective", Options(distributed_optimizer=False),
                          cluster)
     assert mem["total"] == pytest.approx(mha.params() / 2 * 18)
+    # PP2, 1000 tokens per rank, 1F1B: the first stage holds 2 micro-batches, the last one plus
+    # the logits (6 bytes per token and vocabulary entry / TP); untied: V*h on both stages
+    lay = Layout(tp=2, cp=1, pp=2, dp=4, seq_length=1000)
+    per_param = 6 + 12 / 4
+    stage = (2 * mha.params_per_layer() + 1000 * 2048) / 2 * per_param
+    act = 2 * _activation_bytes_per_token(mha, 2) * 1000
+    first, last = stage + 2 * act, stage + act + 6 * 1000 * 1000 / 2
+    mem = memory_per_gpu(mha, lay, 1000, 2, "selective", Options(), cluster)
+    assert mem["total"] == pytest.approx(max(first, last))
+    full = memory_per_gpu(mha, lay, 1000, 2, "full", Options(), cluster)
+    assert full["total"] == pytest.approx(max(
+        stage + 2 * 2 * (2 * 2048 / 2) * 1000 + act / 2,
+        stage + 2 * (2 * 2048 / 2) * 1000 + act / 2 + 6 * 1000 * 1000 / 2))
 
 
 def test_cli_plot_writes_png(tmp_path, capsys):
