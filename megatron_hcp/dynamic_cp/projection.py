@@ -15,6 +15,12 @@ Per layer, per ring step of a sequence of length ``L`` on ``c`` ranks (chunk ``L
 The hardware numbers are assumptions (defaults: an H100-class GPU, 400 TFLOP/s achieved,
 100 GB/s and 10 us per ring step); the benchmark prints results for several of them. This is a
 projection, not a measurement: no GPU was available to calibrate it.
+
+The layout planner (:mod:`megatron_hcp.planner`) uses the same accounting with two link classes
+(:class:`Cluster`: inside a node / across nodes, each group priced by where its ranks sit):
+:func:`cp_layer_seconds` (ring, a2a, a2a+p2p, all_gather), :func:`tp_layer_seconds`,
+:func:`dp_gradient_seconds`, :func:`pipeline_bubble_seconds`, and overlapped traffic charged
+:data:`OVERLAP_SLOWDOWN` of its hidden part. The functions above keep their single link.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ __all__ = [
     "LayerComm",
     "collective_seconds",
     "cp_layer_seconds",
+    "dp_gradient_seconds",
     "group_seconds",
     "overlapped_seconds",
     "p2p_seconds",
+    "pipeline_bubble_seconds",
     "plan_seconds",
     "projected_seconds",
     "static_cp_seconds",
@@ -275,3 +283,30 @@ def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
         return LayerComm(overlapped_seconds(t, overlap_compute),
                          overlapped_seconds(t, 2 * overlap_compute))
     return LayerComm(t, t)
+
+
+def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
+                        distributed_optimizer: bool, window: float) -> float:
+    """Exposed gradient synchronisation over the DPxCP ``ranks`` (megatron reduces gradients
+    over data and context parallel ranks together): with the distributed optimizer a
+    reduce-scatter of fp32 gradients and an all-gather of bf16 parameters, else an all-reduce
+    of fp32 gradients; overlapped with ``window`` seconds of backward compute
+    (``--overlap-grad-reduce`` / ``--overlap-param-gather``)."""
+    if len(ranks) <= 1:
+        return 0.0
+    if distributed_optimizer:
+        t = (collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks)
+             + collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks))
+    else:
+        t = collective_seconds(cluster, "all_reduce", 4 * params_per_rank, ranks)
+    return overlapped_seconds(t, window)
+
+
+def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
+                            transfer_seconds: float) -> float:
+    """1F1B with ``pp`` stages (each micro-batch takes ``t / pp`` per stage): the step is
+    ``sum(t) / pp`` of work plus ``pp - 1`` slots of the longest micro-batch while the pipeline
+    fills and drains, each with an activation transfer forward and a gradient transfer back."""
+    if pp <= 1 or not micro_batch_seconds:
+        return 0.0
+    return (pp - 1) * (max(micro_batch_seconds) / pp + 2 * transfer_seconds)

@@ -12,10 +12,10 @@ from ..config import CPConfig, CPConfigError
 from ..dynamic_cp.projection import (
     Cluster,
     LayerComm,
-    collective_seconds,
     cp_layer_seconds,
-    overlapped_seconds,
+    dp_gradient_seconds,
     p2p_seconds,
+    pipeline_bubble_seconds,
     tp_layer_seconds,
 )
 from ..dynamic_cp.scheduler import schedule
@@ -274,33 +274,16 @@ def _step(micro: list[list[tuple[float, float, float]]], pp: int, xfer: float
     """micro[r] = (compute, cp, tp) per micro-batch of replica r -> slowest replica's step."""
     best = None
     for mbs in micro:
-        totals = [sum(m) for m in mbs]
-        if not totals:
+        if not mbs:
             continue
-        compute = sum(m[0] for m in mbs) / pp
-        cp = sum(m[1] for m in mbs) / pp
-        tp = sum(m[2] for m in mbs) / pp
-        bubble = (pp - 1) * (max(totals) / pp + 2 * xfer) if pp > 1 else 0.0
+        compute, cp, tp = (sum(m[i] for m in mbs) / pp for i in range(3))
+        bubble = pipeline_bubble_seconds([sum(m) for m in mbs], pp, xfer)
         step = compute + cp + tp + bubble
         if best is None or step > best[0]:
             best = (step, {"compute": compute, "cp": cp, "tp": tp, "pp_bubble": bubble},
                     len(mbs))
     assert best is not None
     return best
-
-
-def _dp_seconds(model: ModelSpec, layout: Layout, cluster: Cluster, options: Options,
-                grid: ParallelLayout, window: float) -> float:
-    ranks = grid.groups["dp_cp"][0]
-    if len(ranks) <= 1:
-        return 0.0
-    stage = model.params() / layout.pp / layout.tp
-    if options.distributed_optimizer:  # reduce-scatter fp32 grads, all-gather bf16 params
-        t = (collective_seconds(cluster, "reduce_scatter", 4 * stage, ranks)
-             + collective_seconds(cluster, "all_gather", 2 * stage, ranks))
-    else:
-        t = collective_seconds(cluster, "all_reduce", 4 * stage, ranks)
-    return overlapped_seconds(t, window)
 
 
 def estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
@@ -404,7 +387,9 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     step, parts, m = _step(replicas, layout.pp, xfer)
     # --overlap-grad-reduce: the gradient reduction runs beside the last micro-batch's backward
     window = min(x[0] for r in replicas for x in r) * 2 / 3 / layout.pp
-    parts["dp"] = _dp_seconds(model, layout, cluster, options, grid, window)
+    parts["dp"] = dp_gradient_seconds(cluster, model.params() / layout.pp / layout.tp,
+                                      grid.groups["dp_cp"][0], options.distributed_optimizer,
+                                      window)
     step += parts["dp"]
     mem = memory_per_gpu(model, layout, tokens_mb, min(layout.pp, m), recompute, options,
                          cluster)

@@ -15,7 +15,9 @@ from megatron_hcp.dynamic_cp.projection import (
     Cluster,
     collective_seconds,
     cp_layer_seconds,
+    dp_gradient_seconds,
     overlapped_seconds,
+    pipeline_bubble_seconds,
 )
 from megatron_hcp.dynamic_cp.workload import GPTWorkload, tokens_per_rank
 from megatron_hcp.planner import Batch, ModelSpec, Options, plan
@@ -260,6 +262,21 @@ def test_overlap_and_collectives_by_hand():
     assert got == pytest.approx(14 * 20e-6 + 2 * 7 / 8 * 1e9 / 40e9)
     assert collective_seconds(INSTANT, "all_gather", 1e9, [0, 1]) == pytest.approx(
         2e-6 + 0.5 * 1e9 / 100e9)
+
+
+def test_dp_and_pipeline_terms_by_hand():
+    # distributed optimizer over DPxCP = 8 ranks on 2 nodes (4 each, 40 GB/s): reduce-scatter
+    # of 4-byte grads + all-gather of 2-byte params of 1e9 parameters, beside 1 s of backward
+    p = 1e9
+    comm = (7 * 20e-6 + 7 / 8 * 4 * p / 40e9) + (7 * 20e-6 + 7 / 8 * 2 * p / 40e9)
+    got = dp_gradient_seconds(INSTANT, p, list(range(8)), True, 1.0)
+    assert got == pytest.approx(OVERLAP_SLOWDOWN * comm)  # hidden: only the slowdown shows
+    got = dp_gradient_seconds(INSTANT, p, list(range(8)), False, 0.01)
+    ar = 14 * 20e-6 + 2 * 7 / 8 * 4 * p / 40e9
+    assert got == pytest.approx(ar - 0.01 + OVERLAP_SLOWDOWN * 0.01)
+    # 1F1B: 4 stages, micro-batches of 8 s (2 s per stage): 3 fill/drain slots + transfers
+    assert pipeline_bubble_seconds([8.0, 6.0, 8.0], 4, 0.1) == pytest.approx(3 * (2.0 + 0.2))
+    assert pipeline_bubble_seconds([8.0], 1, 0.1) == 0.0
 
 
 def test_memory_terms_by_hand():
