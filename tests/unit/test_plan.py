@@ -363,3 +363,17 @@ def test_input_errors_are_one_line_exit_2(argv, fragment, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+
+
+def test_cli_lengths_file_gives_dynamic_rows(tmp_path, capsys):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([512, 1024, 4096, 16384, 700, 300, 9000, 2048]))
+    rc = cli_main(["plan", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4",
+                   "--lengths", str(lengths), "--gpus-per-node", "4", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["batch"] == {"sequences": 8, "tokens": 33972, "max_length": 16384,
+                                      "fixed": False}
+    dyn = [r for r in out["layouts"] if r["dynamic_context_parallel"]]
+    assert dyn and all(r["min_dynamic_context_parallel_size"] in (1, 2, 4) for r in dyn)
+    assert all(r["max_seqlen_per_dp_cp_rank"] > 0 and r["cp_comm_type"] == "p2p" for r in dyn)
