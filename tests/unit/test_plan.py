@@ -372,7 +372,7 @@ def test_cli_lengths_file_gives_dynamic_rows(tmp_path, capsys):
                    "--lengths", str(lengths), "--gpus-per-node", "4", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["inputs"]["batch"] == {"sequences": 8, "tokens": 33972, "max_length": 16384,
+    assert out["inputs"]["batch"] == {"sequences": 8, "tokens": 34064, "max_length": 16384,
                                       "fixed": False}
     dyn = [r for r in out["layouts"] if r["dynamic_context_parallel"]]
     assert dyn and all(r["min_dynamic_context_parallel_size"] in (1, 2, 4) for r in dyn)
