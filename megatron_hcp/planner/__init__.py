@@ -187,8 +187,13 @@ def plan(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options | No
     if cluster.nodes < 1 or cluster.gpus_per_node < 1:
         raise PlanInputError("--nodes and --gpus-per-node must be >= 1")
     layouts, rejected = enumerate_layouts(model, batch, cluster, options)
-    estimates = [e for e in (estimate(model, batch, cluster, options, lay) for lay in layouts)
-                 if e is not None]
+    estimates = []
+    for lay in layouts:
+        e = estimate(model, batch, cluster, options, lay)
+        if e is None:  # a dynamic layout whose cap CPConfig (or the scheduler) refuses
+            rejected.append((lay, "no dynamic-CP schedule or CPConfig refused its token cap"))
+        else:
+            estimates.append(e)
     if not estimates:
         reason = rejected[0][1] if rejected else "no layout"
         raise PlanInputError(f"no valid layout for this model on {cluster.world_size} GPUs "
