@@ -17,6 +17,15 @@ def _one_line_error(message: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.error = _one_line_error  # type: ignore[method-assign]  # one line, exit 2, no usage dump
+    parse_known = p.parse_known_args
+
+    def strict(args=None, namespace=None):  # unknown options: our one line, not the usage
+        namespace, extras = parse_known(args, namespace)
+        if extras:
+            _one_line_error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    p.parse_known_args = strict  # type: ignore[method-assign]
     m = p.add_argument_group("model (flags override --model)")
     m.add_argument("--model", default=None,
                    help="recipe model_config.yaml (MODEL_ARGS), YAML of megatron flags, or a "

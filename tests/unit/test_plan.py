@@ -332,6 +332,7 @@ def test_model_from_recipe_file(capsys):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--layers", "x"], "invalid int value"),
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--layers", "2"], "needs --hidden, --heads"),
     (["--layers", "2", "--hidden", "64", "--heads", "4"], "--seq-length"),
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64"],
