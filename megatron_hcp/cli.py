@@ -237,6 +237,8 @@ def _functional(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .planner import command as plan_command
+
     parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -288,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a Gantt chart (PNG)")
     p.set_defaults(func=_schedule)
+
+    p = sub.add_parser("plan", help="rank TP/CP/PP/DP, cp_comm_type, HCP sizes and dynamic-CP "
+                                    "knobs for a model on a cluster (projected step time, memory)")
+    plan_command.add_arguments(p)
+    p.set_defaults(func=plan_command.run)
 
     patch = sub.add_parser("patch", help="runtime patches of megatron-core")
     patch_sub = patch.add_subparsers(dest="patch_command", required=True)

@@ -15,6 +15,12 @@ Per layer, per ring step of a sequence of length ``L`` on ``c`` ranks (chunk ``L
 The hardware numbers are assumptions (defaults: an H100-class GPU, 400 TFLOP/s achieved,
 100 GB/s and 10 us per ring step); the benchmark prints results for several of them. This is a
 projection, not a measurement: no GPU was available to calibrate it.
+
+The layout planner (:mod:`megatron_hcp.planner`) uses the same accounting with two link classes
+(:class:`Cluster`: inside a node / across nodes, each group priced by where its ranks sit):
+:func:`cp_layer_seconds` (ring, a2a, a2a+p2p, all_gather), :func:`tp_layer_seconds`,
+:func:`dp_gradient_seconds`, :func:`pipeline_bubble_seconds`, and overlapped traffic charged
+:data:`OVERLAP_SLOWDOWN` of its hidden part. The functions above keep their single link.
 """
 
 from __future__ import annotations
@@ -24,7 +30,23 @@ from dataclasses import dataclass
 
 from .workload import GPTWorkload
 
-__all__ = ["Hardware", "group_seconds", "plan_seconds", "projected_seconds", "static_cp_seconds"]
+__all__ = [
+    "OVERLAP_SLOWDOWN",
+    "Cluster",
+    "Hardware",
+    "LayerComm",
+    "collective_seconds",
+    "cp_layer_seconds",
+    "dp_gradient_seconds",
+    "group_seconds",
+    "overlapped_seconds",
+    "p2p_seconds",
+    "pipeline_bubble_seconds",
+    "plan_seconds",
+    "projected_seconds",
+    "static_cp_seconds",
+    "tp_layer_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -46,8 +68,7 @@ def projected_seconds(workload: GPTWorkload, length: int, group_size: int,
     c = group_size
     if c == 1:
         return compute
-    head = workload.hidden_size // workload.num_attention_heads
-    kv_hidden = (workload.num_query_groups or workload.num_attention_heads) * head
+    kv_hidden = (workload.num_query_groups or workload.num_attention_heads) * workload.head_dim
     chunk_bytes = 2 * (length / c) * kv_hidden * hw.bytes_per_element
     # forward attention FLOPs of this rank in one layer, spread over the c ring steps
     fwd_step = workload.attention_flops(length) / (3 * workload.num_layers) / c / c
@@ -74,3 +95,218 @@ def static_cp_seconds(replicas: Sequence[Sequence[int]], lengths: Sequence[int],
                       workload: GPTWorkload, hw: Hardware) -> float:
     """Projected step of static CP: DP replicas only meet at the step end (slowest replica)."""
     return max(group_seconds(workload, lengths, samples, cp, hw) for samples in replicas)
+
+
+# --------------------------------------------------------------------------------------------
+# Two link classes (inside a node / across nodes) for the layout planner (megatron_hcp.planner).
+# The functions above keep their single-link model (the dynamic-CP scheduler ranks with them);
+# the ones below price each group by where its ranks sit, with the same ring accounting.
+# --------------------------------------------------------------------------------------------
+
+#: Compute slowdown while communication overlaps it: 18.9 % on average over GPT/LLaMA
+#: workloads on H100/A100/MI250/MI210 (Lee et al. 2025, "Characterizing Compute-Communication
+#: Overlap in GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114). Hidden traffic is
+#: therefore charged this share of its (hidden) duration.
+OVERLAP_SLOWDOWN = 0.189
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of ``gpus_per_node`` GPUs; one link class inside a node, one across nodes.
+
+    Defaults: an H100 SXM node (NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per
+    GPU; 80 GB HBM3), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s per direction, DGX H100
+    rail-optimised), latencies 5 us (NVLink) and 10 us (IB) per message, 400 TFLOP/s achieved
+    bf16 (about 40 % of the 989 TFLOP/s dense peak). All are assumptions, not measurements.
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    flops_per_second: float = 400e12
+    intra_bytes_per_second: float = 450e9
+    intra_latency_seconds: float = 5e-6
+    inter_bytes_per_second: float = 50e9
+    inter_latency_seconds: float = 10e-6
+    memory_bytes: float = 80e9
+    bytes_per_element: int = 2
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def placement(self, ranks: Sequence[int]) -> tuple[int, int]:
+        """(nodes the ranks span, fewest of them on one of those nodes)."""
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[r // self.gpus_per_node] = per_node.get(r // self.gpus_per_node, 0) + 1
+        return len(per_node), min(per_node.values()) if per_node else 0
+
+    def crosses_nodes(self, ranks: Sequence[int]) -> bool:
+        return self.placement(ranks)[0] > 1
+
+    def hardware(self, ranks: Sequence[int]) -> Hardware:
+        """The single-link :class:`Hardware` of a group (its slowest link class)."""
+        inter = self.crosses_nodes(ranks)
+        return Hardware(
+            flops_per_second=self.flops_per_second,
+            bytes_per_second=self.inter_bytes_per_second if inter else
+            self.intra_bytes_per_second,
+            latency_seconds=self.inter_latency_seconds if inter else self.intra_latency_seconds,
+            bytes_per_element=self.bytes_per_element,
+        )
+
+
+def overlapped_seconds(comm: float, compute: float) -> float:
+    """Exposed seconds of ``comm`` run beside ``compute``: the excess, plus the slowdown."""
+    return max(0.0, comm - compute) + OVERLAP_SLOWDOWN * min(comm, compute)
+
+
+def p2p_seconds(cluster: Cluster, nbytes: float, ranks: Sequence[int]) -> float:
+    """One ring step over ``ranks``: every rank sends ``nbytes`` to its neighbour; the step
+    ends when the slowest hop (across nodes, if the ring leaves one) has delivered."""
+    hw = cluster.hardware(ranks)
+    return hw.latency_seconds + nbytes / hw.bytes_per_second
+
+
+def collective_seconds(cluster: Cluster, kind: str, nbytes: float,
+                       ranks: Sequence[int]) -> float:
+    """Seconds of one collective over ``ranks``; ``nbytes`` is the full buffer of one rank
+    (all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the input;
+    all_to_all: what a rank holds before the exchange).
+
+    Ring algorithms (NCCL): all_reduce sends ``2(n-1)/n`` of the buffer per rank in
+    ``2(n-1)`` steps, all_gather / reduce_scatter ``(n-1)/n`` in ``n-1``. A group inside one
+    node runs at the NVLink rate; a group across nodes with ``k`` members per node at
+    ``min(intra, k * inter)`` (NCCL builds one ring per NIC through the node's GPUs, so the
+    ``k`` NICs of a node carry it in parallel). all_to_all: ``(k-1)/n`` of the buffer goes to
+    peers on the node, ``(n-k)/n`` through the rank's own NIC, concurrently.
+    """
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    nodes, k = cluster.placement(ranks)
+    intra, inter = cluster.intra_bytes_per_second, cluster.inter_bytes_per_second
+    latency = cluster.inter_latency_seconds if nodes > 1 else cluster.intra_latency_seconds
+    if kind == "all_to_all":
+        on_node = nbytes * (k - 1) / n / intra if k > 1 else 0.0
+        off_node = nbytes * (n - k) / n / inter if nodes > 1 else 0.0
+        return latency + max(on_node, off_node)
+    bandwidth = intra if nodes == 1 else min(intra, k * inter)
+    if kind == "all_reduce":
+        return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """Exposed communication seconds of one transformer layer, forward and backward."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+    def __add__(self, other: LayerComm) -> LayerComm:
+        return LayerComm(self.forward + other.forward, self.backward + other.backward)
+
+
+def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: int,
+                     comm_type: str, cp_ranks: Sequence[int],
+                     a2a_ranks: Sequence[int] = (), p2p_ranks: Sequence[int] = ()) -> LayerComm:
+    """Exposed CP traffic of one layer for a sequence of ``length`` on one rank.
+
+    ``c = len(cp_ranks)``; a rank holds ``L/c`` tokens and ``nq/tp`` query, ``nkv/tp`` KV heads
+    of ``head_dim`` (B bytes per element).
+
+    * ``p2p``: ``c-1`` ring steps of ``2 (L/c) (nkv/tp) head_dim B`` bytes (K and V), each
+      overlapped with ``1/c`` of the rank's attention (:func:`overlapped_seconds`); backward
+      sends K/V plus dK/dV (twice the bytes) beside twice the FLOPs (as :func:`projected_seconds`).
+    * ``a2a`` (Ulysses): one all-to-all of Q, K, V before and one of O after attention,
+      ``(L/c) head_dim (2 nq + 2 nkv)/tp B`` bytes per rank, not overlapped; backward the same.
+    * ``a2a+p2p``: that all-to-all over the inner ``a2a_ranks`` (a rank then holds ``L/p``
+      tokens, ``nkv/(tp a)`` KV heads: the same ``2 (L/c) (nkv/tp) head_dim B`` bytes per step),
+      then ``p-1`` ring steps over ``p2p_ranks``, each beside ``1/p`` of the attention.
+    * ``all_gather``: all-gather of K and V (``2 L (nkv/tp) head_dim B`` gathered), not
+      overlapped; backward gathers again and reduce-scatters dK/dV.
+    """
+    c = len(cp_ranks)
+    if c <= 1:
+        return LayerComm()
+    b = cluster.bytes_per_element
+    d = workload.head_dim
+    nq = workload.num_attention_heads / tp
+    nkv = (workload.num_query_groups or workload.num_attention_heads) / tp
+    flops = cluster.flops_per_second
+    attn_fwd = workload.attention_flops(length) / (3 * workload.num_layers) / c / tp / flops
+    kv_chunk = 2 * (length / c) * nkv * d * b
+
+    def ring(ranks: Sequence[int], share: float) -> LayerComm:
+        steps = len(ranks) - 1
+        if steps <= 0:
+            return LayerComm()
+        fwd = overlapped_seconds(p2p_seconds(cluster, kv_chunk, ranks), attn_fwd * share)
+        bwd = overlapped_seconds(p2p_seconds(cluster, 2 * kv_chunk, ranks), 2 * attn_fwd * share)
+        return LayerComm(steps * fwd, steps * bwd)
+
+    def a2a(ranks: Sequence[int]) -> LayerComm:
+        held = (length / c) * d * (2 * nq + 2 * nkv) * b
+        t = collective_seconds(cluster, "all_to_all", held, ranks)
+        return LayerComm(t, t)
+
+    if comm_type == "p2p":
+        return ring(cp_ranks, 1.0 / c)
+    if comm_type == "a2a":
+        return a2a(cp_ranks)
+    if comm_type == "a2a+p2p":
+        return a2a(a2a_ranks) + ring(p2p_ranks, 1.0 / max(1, len(p2p_ranks)))
+    if comm_type == "all_gather":
+        gathered = 2 * length * nkv * d * b
+        ag = collective_seconds(cluster, "all_gather", gathered, cp_ranks)
+        rs = collective_seconds(cluster, "reduce_scatter", gathered, cp_ranks)
+        return LayerComm(ag, ag + rs)
+    raise ValueError(f"unknown cp_comm_type {comm_type!r}")
+
+
+def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
+                     tp_ranks: Sequence[int], overlap_compute: float | None = None) -> LayerComm:
+    """TP traffic of one layer with sequence parallelism (megatron's layout): forward
+    all-gathers the ``tokens x hidden`` activation before the QKV and FC1 GEMMs and
+    reduce-scatters after the projection and FC2 (2 + 2 collectives); backward the same.
+    Not overlapped (megatron's default), or beside ``overlap_compute`` seconds per direction
+    (``--tp-comm-overlap``: Transformer Engine's userbuffers)."""
+    if len(tp_ranks) <= 1:
+        return LayerComm()
+    buf = tokens * hidden * cluster.bytes_per_element
+    t = 2 * collective_seconds(cluster, "all_gather", buf, tp_ranks) + 2 * collective_seconds(
+        cluster, "reduce_scatter", buf, tp_ranks)
+    if overlap_compute is not None:
+        return LayerComm(overlapped_seconds(t, overlap_compute),
+                         overlapped_seconds(t, 2 * overlap_compute))
+    return LayerComm(t, t)
+
+
+def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
+                        distributed_optimizer: bool, window: float) -> float:
+    """Exposed gradient synchronisation over the DPxCP ``ranks`` (megatron reduces gradients
+    over data and context parallel ranks together): with the distributed optimizer a
+    reduce-scatter of fp32 gradients and an all-gather of bf16 parameters, else an all-reduce
+    of fp32 gradients; overlapped with ``window`` seconds of backward compute
+    (``--overlap-grad-reduce`` / ``--overlap-param-gather``)."""
+    if len(ranks) <= 1:
+        return 0.0
+    if distributed_optimizer:
+        t = (collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks)
+             + collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks))
+    else:
+        t = collective_seconds(cluster, "all_reduce", 4 * params_per_rank, ranks)
+    return overlapped_seconds(t, window)
+
+
+def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
+                            transfer_seconds: float) -> float:
+    """1F1B with ``pp`` stages (each micro-batch takes ``t / pp`` per stage): the step is
+    ``sum(t) / pp`` of work plus ``pp - 1`` slots of the longest micro-batch while the pipeline
+    fills and drains, each with an activation transfer forward and a gradient transfer back."""
+    if pp <= 1 or not micro_batch_seconds:
+        return 0.0
+    return (pp - 1) * (max(micro_batch_seconds) / pp + 2 * transfer_seconds)

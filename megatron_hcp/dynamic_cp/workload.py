@@ -57,19 +57,36 @@ class GPTWorkload:
     gated_mlp: bool = False
     causal: bool = True
     mode: Literal["flops", "seq_squared"] = "flops"
+    #: head dimension when it is not hidden / heads (megatron's ``kv_channels``)
+    kv_channels: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_width(self) -> int:
+        """Width of the query / attention output (``hidden`` unless ``kv_channels`` is set)."""
+        if self.kv_channels is None:
+            return self.hidden_size
+        return self.num_attention_heads * self.kv_channels
 
     def linear_flops_per_token(self) -> float:
         h = self.hidden_size
-        head = h // self.num_attention_heads
-        kv = (self.num_query_groups or self.num_attention_heads) * head
+        kv = (self.num_query_groups or self.num_attention_heads) * self.head_dim
+        q = self.query_width
         ffn = self.ffn_hidden_size or 4 * h
-        qkv, proj = 2 * h * (h + 2 * kv), 2 * h * h
+        qkv, proj = 2 * h * (q + 2 * kv), 2 * q * h
         mlp = 2 * (3 if self.gated_mlp else 2) * h * ffn
         return 3.0 * self.num_layers * (qkv + proj + mlp)
 
     def attention_flops(self, length: int) -> float:
-        full = 4.0 * length * length * self.hidden_size  # QK^T and PV
+        full = 4.0 * length * length * self.query_width  # QK^T and PV
         return 3.0 * self.num_layers * (full / 2 if self.causal else full)
+
+    def logits_flops_per_token(self, vocab_size: int) -> float:
+        """Output layer (``hidden x vocab`` GEMM), forward + backward: ``3 * 2 * h * V``."""
+        return 3.0 * 2 * self.hidden_size * vocab_size
 
     def cost(self, length: int, group_size: int) -> float:
         """Per-rank cost of ``length`` on ``group_size`` ranks (FLOPs, or L**2/c)."""

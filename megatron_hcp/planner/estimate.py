@@ -1,0 +1,415 @@
+"""Enumerate the layouts CPConfig accepts and estimate step time and memory per GPU for each.
+
+The cost terms are :mod:`megatron_hcp.dynamic_cp.projection`'s (the dynamic-CP scheduler's
+model, with its two link classes); the memory model is documented in :mod:`megatron_hcp.planner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import CPConfig, CPConfigError
+from ..dynamic_cp.projection import (
+    Cluster,
+    LayerComm,
+    cp_layer_seconds,
+    dp_gradient_seconds,
+    p2p_seconds,
+    pipeline_bubble_seconds,
+    tp_layer_seconds,
+)
+from ..dynamic_cp.scheduler import schedule
+from ..dynamic_cp.workload import ScheduleError, min_group_size, tokens_per_rank
+from ..parallel_state.layout import ParallelLayout
+from .inputs import Batch, ModelSpec, Options
+
+__all__ = [
+    "Estimate",
+    "Layout",
+    "enumerate_layouts",
+    "estimate",
+    "memory_per_gpu",
+    "usable_bytes",
+]
+
+#: bytes per parameter: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m 4 + v 4
+#: (Megatron-LM distributed optimizer docs: 18 without, 6 + 12/d with it over d DPxCP ranks)
+WEIGHT_GRAD_BYTES = 6
+OPTIMIZER_BYTES = 12
+#: output logits on the last stage: bf16 logits + the fp32 copy the vocab-parallel cross entropy
+#: keeps for its backward
+LOGIT_BYTES = 6
+#: share of GPU memory kept free for the CUDA context, NCCL buffers and allocator fragmentation
+MEMORY_RESERVE = 0.10
+CAP_ALIGN = 256  # dynamic-CP token cap rounded down to a multiple of this
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    cp_comm_type: str | None = None  # None: CP = 1
+    hcp: tuple[int, int] | None = None
+    seq_length: int | None = None
+    dynamic: bool = False
+    min_cp: int = 1
+    cap: int | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"] if self.pp > 1 else [f"TP{self.tp}"]
+        if self.dynamic:  # CP x DP ranks share the dynamic groups: no separate DP size
+            return " ".join(parts + [f"dynamic-CP{self.dp * self.cp} min{self.min_cp}"
+                                     + (f" cap{self.cap}" if self.cap else "")])
+        if self.cp > 1:
+            parts.append(f"CP{self.cp} {self.cp_comm_type}"
+                         + (f" [{self.hcp[0]},{self.hcp[1]}]" if self.hcp else ""))
+        parts.append(f"DP{self.dp}")
+        return " ".join(parts)
+
+    def config(self, model: ModelSpec, options: Options) -> CPConfig:
+        return CPConfig(
+            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
+            hierarchical_context_parallel_sizes=list(self.hcp) if self.hcp else None,
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            data_parallel_size=self.dp, num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups, num_layers=model.num_layers,
+            seq_length=None if self.dynamic else self.seq_length,
+            dynamic_context_parallel=self.dynamic,
+            min_dynamic_context_parallel_size=self.min_cp,
+            max_seqlen_per_dp_cp_rank=self.cap, calculate_per_token_loss=True
+            if self.dynamic else None, cp_attention_backend="te", te_version=options.te_version)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    recompute: str
+    step_seconds: float
+    breakdown: dict[str, float]  # compute, cp, tp, pp_bubble, dp (seconds, sum = step)
+    memory: dict[str, float]  # bytes per GPU: weights_optimizer, activations, logits, total
+    fits: bool
+    tokens_per_second_per_gpu: float
+    micro_batches: int
+    advice: list[str] = field(default_factory=list)
+    detail: dict = field(default_factory=dict)  # link classes etc. for the "why" sentence
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
+                      ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every static layout (and, for a length distribution, dynamic-CP layout without its cap)
+    with CPConfig's verdict: (accepted, [(rejected, reason)]). The token cap of dynamic layouts
+    is set by :func:`estimate` from memory and validated again there."""
+    world = cluster.world_size
+    accepted: list[Layout] = []
+    rejected: list[tuple[Layout, str]] = []
+    max_tp = options.max_tp or cluster.gpus_per_node
+    gpn = cluster.gpus_per_node
+    for tp in _divisors(world):
+        # TP groups are contiguous ranks: inside one node (tp | gpn), or whole nodes (--max-tp)
+        if tp > max_tp or (gpn % tp if tp <= gpn else tp % gpn):
+            continue
+        for pp in _divisors(world // tp):
+            if model.num_layers % pp:
+                continue  # megatron: layers split evenly over the stages
+            rest = world // (tp * pp)
+            for cp in _divisors(rest):
+                dp = rest // cp
+                seq = batch.max_length if batch.fixed else _round_up(batch.max_length, 2 * cp)
+                kinds: list[tuple[str | None, tuple[int, int] | None]] = [(None, None)]
+                if cp > 1:
+                    kinds = [("p2p", None), ("all_gather", None), ("a2a", None)]
+                    kinds += [("a2a+p2p", (a, cp // a)) for a in _divisors(cp) if 1 < a < cp]
+                for kind, hcp in kinds:
+                    layout = Layout(tp, cp, pp, dp, kind, hcp, seq)
+                    if batch.fixed and len(batch.lengths) % dp:
+                        rejected.append((layout, f"global batch {len(batch.lengths)} is not "
+                                                 f"divisible by DP={dp}"))
+                        continue
+                    try:
+                        layout.config(model, options).validate()
+                    except CPConfigError as err:
+                        rejected.append((layout, "; ".join(str(v) for v in err.violations)))
+                        continue
+                    accepted.append(layout)
+            n = rest
+            if not batch.fixed and n >= 2 and n & (n - 1) == 0:
+                for m in options.min_dynamic_sizes:
+                    if m <= n:
+                        accepted.append(Layout(tp, 1, pp, n, "p2p", None, None, True, m, None))
+    return accepted, rejected
+
+
+# ------------------------------------------------------------------------------- memory
+def _activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
+    """Per layer and token, sequence parallel + selective recompute (Korthikanti et al. 2022,
+    Sec. 4, generalised to GQA / gated MLP): norms 4h, QKV input 2h, Q/K/V 2q+4kv, attention
+    output 2q, FC1 input 2h, MLP 4f (gated: 6f), dropout masks 2h, softmax stats 4 nq; / tp."""
+    w = model.workload()
+    h, q, kv = model.hidden_size, w.query_width, model.kv_heads * w.head_dim
+    mlp = (6 if model.gated_mlp else 4) * model.ffn
+    return (4 * h + 2 * h + 2 * q + 4 * kv + 2 * q + 2 * h + mlp + 2 * h
+            + 4 * model.num_attention_heads) / tp
+
+
+def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int,
+                   recompute: str, options: Options, cluster: Cluster) -> dict[str, float]:
+    """Bytes on the fuller of the first and last pipeline stage (``tokens`` per rank and
+    micro-batch, ``in_flight`` micro-batches held by the first stage)."""
+    tp, pp = layout.tp, layout.pp
+    layers = model.num_layers // pp
+    embed = model.vocab_size * model.hidden_size
+    first = layers * model.params_per_layer() + embed
+    last = layers * model.params_per_layer() + (embed if (model.untie_embeddings or pp > 1)
+                                                else 0)
+    if pp == 1:
+        first = last = model.params()
+    d = layout.dp * layout.cp
+    per_param = WEIGHT_GRAD_BYTES + (OPTIMIZER_BYTES / d if options.distributed_optimizer
+                                     else OPTIMIZER_BYTES)
+    selective = _activation_bytes_per_token(model, tp)
+    if recompute == "full":  # layer inputs only, plus one layer being recomputed
+        per_mb = (layers * 2 * model.hidden_size / tp) * tokens
+        working = selective * tokens
+    else:
+        per_mb = layers * selective * tokens
+        working = 0.0
+    w = model.workload()
+    kv_local = model.kv_heads / tp * w.head_dim * cluster.bytes_per_element
+    if layout.cp_comm_type == "all_gather":
+        working += 2 * tokens * layout.cp * kv_local  # gathered K and V of one layer
+    elif layout.cp_comm_type in ("p2p", "a2a+p2p"):
+        working += 2 * 2 * tokens * kv_local  # K/V chunk in flight and the one being used
+    logits = LOGIT_BYTES * tokens * model.vocab_size / tp
+    stages = [  # (weights + optimizer, activations, logits) of the first and the last stage
+        (first / tp * per_param, per_mb * in_flight + working, 0.0),
+        (last / tp * per_param, per_mb + working, logits),
+    ]
+    if pp == 1:
+        stages = [(first / tp * per_param, per_mb * in_flight + working, logits)]
+    weights, acts, out = max(stages, key=sum)
+    return {"weights_optimizer": weights, "activations": acts, "logits": out,
+            "total": weights + acts + out}
+
+
+def _usable(cluster: Cluster) -> float:
+    return cluster.memory_bytes * (1 - MEMORY_RESERVE)
+
+
+# ------------------------------------------------------------------------------- time
+class _Costs:
+    """Per-micro-batch seconds of one rank for the whole model (the stage share is / PP)."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, cluster: Cluster, options: Options,
+                 recompute: str, grid: ParallelLayout):
+        self.model, self.layout, self.cluster = model, layout, cluster
+        self.options, self.recompute = options, recompute
+        self.workload = model.workload()
+        self.tp_ranks = grid.groups["tp"][0]
+        self.cp_ranks = grid.groups["cp"][0]
+        self.a2a_ranks = grid.hcp[0][0] if grid.hcp else ()
+        self.p2p_ranks = grid.hcp[1][0] if grid.hcp else ()
+        self._cache: dict = {}
+
+    def sequence(self, length: int, group: tuple[int, ...] | None = None
+                 ) -> tuple[float, float]:
+        """(compute, exposed CP) seconds of one sequence on ``group`` (default: the CP group)."""
+        key = (length, group)
+        if key not in self._cache:
+            w, t = self.workload, self.layout.tp
+            ranks = group if group is not None else self.cp_ranks
+            c = len(ranks)
+            layer_flops = w.cost(length, c) / t
+            full = self.recompute == "full"
+            flops = layer_flops * (4 / 3 if full else 1.0)
+            flops += length / c * w.logits_flops_per_token(self.model.vocab_size) / t
+            compute = flops / self.cluster.flops_per_second
+            comm = cp_layer_seconds(w, self.cluster, length, t, self.layout.cp_comm_type or "p2p",
+                                    ranks, self.a2a_ranks, self.p2p_ranks) if c > 1 else \
+                LayerComm()
+            cp = w.num_layers * ((2 if full else 1) * comm.forward + comm.backward)
+            self._cache[key] = (compute, cp)
+        return self._cache[key]
+
+    def tp_seconds(self, tokens_per_rank: float, compute: float) -> float:
+        w, t = self.workload, self.layout.tp
+        overlap = None
+        if self.options.tp_comm_overlap:
+            overlap = compute / 3 / w.num_layers  # forward compute of one layer
+        comm = tp_layer_seconds(self.cluster, tokens_per_rank, self.model.hidden_size,
+                                self.tp_ranks if t > 1 else (), overlap)
+        return w.num_layers * ((2 if self.recompute == "full" else 1) * comm.forward
+                               + comm.backward)
+
+
+def _pack(lengths: list[int], capacity: int, unit: int) -> list[list[int]]:
+    """First-fit decreasing of sequences (padded to ``unit``) into ``capacity``-token bins."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        size = _round_up(length, unit)
+        for i, r in enumerate(room):
+            if size <= r:
+                bins[i].append(length)
+                room[i] -= size
+                break
+        else:
+            bins.append([length])
+            room.append(capacity - size)
+    return bins
+
+
+def _step(micro: list[list[tuple[float, float, float]]], pp: int, xfer: float
+          ) -> tuple[float, dict[str, float], int]:
+    """micro[r] = (compute, cp, tp) per micro-batch of replica r -> slowest replica's step."""
+    best = None
+    for mbs in micro:
+        if not mbs:
+            continue
+        compute, cp, tp = (sum(m[i] for m in mbs) / pp for i in range(3))
+        bubble = pipeline_bubble_seconds([sum(m) for m in mbs], pp, xfer)
+        step = compute + cp + tp + bubble
+        if best is None or step > best[0]:
+            best = (step, {"compute": compute, "cp": cp, "tp": tp, "pp_bubble": bubble},
+                    len(mbs))
+    assert best is not None
+    return best
+
+
+def estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
+             layout: Layout) -> Estimate | None:
+    """Step time and memory of ``layout``; the recompute mode per ``options.recompute``.
+    Returns None for a dynamic layout whose token cap CPConfig rejects."""
+    modes = ["selective", "full"] if options.recompute == "auto" else [options.recompute]
+    result = None
+    for mode in modes:
+        result = _estimate(model, batch, cluster, options, layout, mode)
+        if result is None or result.fits:
+            return result
+    return result
+
+
+def _dynamic_cap(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
+                 layout: Layout, recompute: str) -> tuple[int, bool]:
+    """The largest token cap per rank that fits memory (aligned), or the smallest legal one
+    (then it does not fit)."""
+    n = layout.dp
+    need = tokens_per_rank(batch.max_length, n)
+    probe = memory_per_gpu(model, layout, 0, layout.pp, recompute, options, cluster)
+    per_token = (memory_per_gpu(model, layout, 1024, layout.pp, recompute, options, cluster)
+                 ["total"] - probe["total"]) / 1024
+    cap = int((_usable(cluster) - probe["total"]) / per_token) // CAP_ALIGN * CAP_ALIGN
+    cap = min(cap, _round_up(batch.tokens, CAP_ALIGN))
+    if cap >= need:
+        return cap, True
+    return _round_up(need, CAP_ALIGN), False
+
+
+def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
+              layout: Layout, recompute: str) -> Estimate | None:
+    lengths = list(batch.lengths)
+    if layout.dynamic:
+        cap, _ = _dynamic_cap(model, batch, cluster, options, layout, recompute)
+        n = layout.dp
+        try:
+            cp = min_group_size(batch.max_length, cap, n, layout.min_cp)
+        except ScheduleError:
+            cp = n
+        layout = Layout(layout.tp, cp, layout.pp, n // cp, "p2p", None, None, True,
+                        layout.min_cp, cap)
+        try:
+            layout.config(model, options).validate()
+        except CPConfigError:
+            return None
+    grid = ParallelLayout(cluster.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp,
+                          hierarchical_sizes=layout.hcp)
+    costs = _Costs(model, layout, cluster, options, recompute, grid)
+    detail: dict = {}
+    if layout.dynamic:
+        dp_cp = tuple(grid.groups["dp_cp"][0])
+        n = len(dp_cp)
+        try:  # the scheduler ranks its plans with the DPxCP group's slowest link
+            plan = schedule(lengths, n, layout.cap, workload=model.workload(),
+                            min_cp_size=layout.min_cp, hardware=cluster.hardware(dp_cp))
+        except ScheduleError:
+            return None
+        per_mb = []
+        sizes: dict[int, int] = {}
+        for mb in plan.micro_batches:
+            worst = (0.0, 0.0, 0.0)
+            for g in mb.groups:
+                ranks = tuple(dp_cp[i] for i in g.ranks)
+                comp = cpt = 0.0
+                tokens = 0
+                for s in g.samples:
+                    a, b = costs.sequence(lengths[s], ranks)
+                    comp, cpt = comp + a, cpt + b
+                    tokens += tokens_per_rank(lengths[s], len(ranks))
+                    sizes[len(ranks)] = sizes.get(len(ranks), 0) + 1
+                tpt = costs.tp_seconds(tokens, comp)
+                if comp + cpt + tpt > sum(worst):
+                    worst = (comp, cpt, tpt)
+            per_mb.append(worst)
+        replicas = [per_mb]
+        tokens_mb = layout.cap
+        detail["group_sizes"] = dict(sorted(sizes.items()))
+    else:
+        c = layout.cp
+        if batch.fixed:
+            bins = [[length] for length in lengths]
+        else:
+            bins = _pack(lengths, layout.seq_length, 2 * c)
+        mbs = []
+        for b in bins:
+            comp = sum(costs.sequence(x)[0] for x in b)
+            cpt = sum(costs.sequence(x)[1] for x in b)
+            tokens = sum(tokens_per_rank(x, c) for x in b)
+            mbs.append((comp, cpt, costs.tp_seconds(tokens, comp)))
+        replicas = [[] for _ in range(layout.dp)]  # longest first to the least-loaded replica
+        loads = [0.0] * layout.dp
+        for m in sorted(mbs, key=sum, reverse=True):
+            r = loads.index(min(loads))
+            replicas[r].append(m)
+            loads[r] += sum(m)
+        tokens_mb = layout.seq_length // c
+    pp_bytes = tokens_mb * model.hidden_size / layout.tp * cluster.bytes_per_element
+    xfer = p2p_seconds(cluster, pp_bytes, grid.groups["pp"][0]) if layout.pp > 1 else 0.0
+    step, parts, m = _step(replicas, layout.pp, xfer)
+    # --overlap-grad-reduce: the gradient reduction runs beside the last micro-batch's backward
+    window = min(x[0] for r in replicas for x in r) * 2 / 3 / layout.pp
+    parts["dp"] = dp_gradient_seconds(cluster, model.params() / layout.pp / layout.tp,
+                                      grid.groups["dp_cp"][0], options.distributed_optimizer,
+                                      window)
+    step += parts["dp"]
+    mem = memory_per_gpu(model, layout, tokens_mb, min(layout.pp, m), recompute, options,
+                         cluster)
+    try:
+        advice = layout.config(model, options).validate()
+    except CPConfigError:  # pragma: no cover - enumerate_layouts validated it
+        return None
+    detail.update({
+        "cp_crosses_nodes": cluster.crosses_nodes(grid.groups["cp"][0]),
+        "a2a_crosses_nodes": bool(grid.hcp) and cluster.crosses_nodes(grid.hcp[0][0]),
+        "p2p_crosses_nodes": bool(grid.hcp) and cluster.crosses_nodes(grid.hcp[1][0]),
+        "tp_crosses_nodes": cluster.crosses_nodes(grid.groups["tp"][0]),
+        "dp_cp_size": len(grid.groups["dp_cp"][0]),
+    })
+    return Estimate(layout=layout, recompute=recompute, step_seconds=step, breakdown=parts,
+                    memory=mem, fits=mem["total"] <= _usable(cluster),
+                    tokens_per_second_per_gpu=batch.tokens / step / cluster.world_size,
+                    micro_batches=m, advice=advice, detail=detail)
+
+
+def usable_bytes(cluster: Cluster) -> float:
+    """GPU memory a layout may use (the rest is :data:`MEMORY_RESERVE`)."""
+    return _usable(cluster)

@@ -1,0 +1,228 @@
+"""Planner inputs: the model, the global batch (fixed length or a length distribution), options.
+
+Every input error is a :class:`PlanInputError` with one line saying what is wrong and how to fix
+it (the CLI prints it and exits 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..dynamic_cp.workload import GPTWorkload
+
+__all__ = ["Batch", "ModelSpec", "Options", "PlanInputError", "load_model_file", "lognormal"]
+
+
+class PlanInputError(ValueError):
+    """An input the planner cannot use (one line: what and how to fix it)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT-style decoder with megatron's names (``num_query_groups`` = KV heads)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    gated_mlp: bool = False
+    kv_channels: int | None = None
+    vocab_size: int = 32000
+    untie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanInputError(f"model {name}={value!r} must be a positive integer")
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise PlanInputError(f"model {name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.kv_heads:
+            raise PlanInputError(
+                f"num_query_groups={self.kv_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise PlanInputError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; give the head dimension (--head-dim)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def workload(self) -> GPTWorkload:
+        return GPTWorkload(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           ffn_hidden_size=self.ffn, num_attention_heads=self.num_attention_heads,
+                           num_query_groups=self.num_query_groups, gated_mlp=self.gated_mlp,
+                           kv_channels=self.kv_channels)
+
+    def params_per_layer(self) -> int:
+        """QKV + output projection + MLP + two norms (biases ignored)."""
+        w = self.workload()
+        h, q, kv = self.hidden_size, w.query_width, self.kv_heads * w.head_dim
+        return h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * self.ffn + 2 * h
+
+    def params(self) -> int:
+        return (self.num_layers * self.params_per_layer()
+                + (2 if self.untie_embeddings else 1) * self.vocab_size * self.hidden_size)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The sequences of one global batch (``fixed``: every one ``lengths[0]`` tokens)."""
+
+    lengths: tuple[int, ...]
+    fixed: bool
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            raise PlanInputError("the global batch is empty; give --global-batch >= 1")
+        if min(self.lengths) < 1:
+            raise PlanInputError("sequence lengths must be >= 1")
+
+    @classmethod
+    def fixed_length(cls, seq_length: int, global_batch: int) -> Batch:
+        if seq_length < 2:
+            raise PlanInputError(f"--seq-length {seq_length} must be >= 2")
+        if global_batch < 1:
+            raise PlanInputError(f"--global-batch {global_batch} must be >= 1")
+        return cls(tuple([int(seq_length)] * int(global_batch)), True)
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def lognormal(count: int, median: float, sigma: float, min_len: int, max_len: int,
+              seed: int = 0) -> Batch:
+    """``count`` lengths from a lognormal of median ``median`` and shape ``sigma``, clipped to
+    ``[min_len, max_len]`` (the variable-length mock data of the recipes), seeded."""
+    if count < 1 or not 1 <= min_len <= max_len or median <= 0 or sigma < 0:
+        raise PlanInputError(
+            "--lognormal needs MEDIAN,SIGMA,MIN,MAX with MEDIAN > 0, SIGMA >= 0, "
+            f"1 <= MIN <= MAX and --global-batch >= 1 (got {median},{sigma},{min_len},{max_len}"
+            f", batch {count})")
+    rng = np.random.default_rng(seed)
+    draws = rng.lognormal(mean=math.log(median), sigma=sigma, size=count)
+    return Batch(tuple(int(x) for x in np.clip(np.rint(draws), min_len, max_len)), False)
+
+
+def lengths_file(path: str) -> Batch:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise PlanInputError(f"--lengths {path}: {err}") from None
+    if (not isinstance(data, list) or not data
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in data)):
+        raise PlanInputError(f"--lengths {path} must hold a non-empty JSON list of integers")
+    return Batch(tuple(data), False)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Training choices the estimate depends on (defaults: what Bridge's recipes use)."""
+
+    recompute: str = "auto"  # selective | full | auto (selective when it fits, else full)
+    distributed_optimizer: bool = True
+    tp_comm_overlap: bool = False
+    te_version: str = "2.8"
+    tie_tolerance: float = 0.02
+    max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
+    min_dynamic_sizes: tuple[int, ...] = (1, 2, 4, 8)
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("auto", "selective", "full"):
+            raise PlanInputError(f"--recompute {self.recompute!r}: use auto, selective or full")
+        if not 0 <= self.tie_tolerance < 1:
+            raise PlanInputError(f"--tie-tolerance {self.tie_tolerance} must be in [0, 1)")
+
+
+# megatron flag -> ModelSpec field (and the batch flags the planner also reads)
+_MODEL_FLAGS = {
+    "--num-layers": "num_layers", "--hidden-size": "hidden_size",
+    "--num-attention-heads": "num_attention_heads", "--num-query-groups": "num_query_groups",
+    "--ffn-hidden-size": "ffn_hidden_size", "--kv-channels": "kv_channels",
+    "--vocab-size": "vocab_size", "--padded-vocab-size": "vocab_size",
+}
+_BOOL_FLAGS = {"--swiglu": "gated_mlp", "--untie-embeddings-and-output-weights":
+               "untie_embeddings"}
+_BATCH_FLAGS = {"--seq-length": "seq_length", "--global-batch-size": "global_batch"}
+
+
+def _flags_from_file(path: str) -> dict[str, object]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise PlanInputError(f"--model {path}: {err}") from None
+    try:
+        import yaml
+
+        data = yaml.safe_load(text)
+    except Exception:  # not YAML: a megatron command line
+        data = None
+    if isinstance(data, dict):
+        args = data.get("MODEL_ARGS", data)
+        if not isinstance(args, dict):
+            raise PlanInputError(f"--model {path}: MODEL_ARGS must be a mapping of flags")
+        return {str(k) if str(k).startswith("--") else "--" + str(k).replace("_", "-"): v
+                for k, v in args.items()}
+    flags: dict[str, object] = {}
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError as err:
+        raise PlanInputError(f"--model {path}: {err}") from None
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.startswith("--"):
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                flags[tok] = tokens[i + 1]
+                i += 2
+                continue
+            flags[tok] = True
+        i += 1
+    return flags
+
+
+def load_model_file(path: str) -> tuple[ModelSpec, dict[str, int]]:
+    """A recipe ``model_config.yaml`` (``MODEL_ARGS``), a YAML mapping of megatron flags, or a
+    text file of megatron flags -> the model, plus ``seq_length`` / ``global_batch`` if given.
+    Flags the planner does not need are ignored (they do not change the estimate)."""
+    flags = _flags_from_file(path)
+    kwargs: dict[str, object] = {}
+    batch: dict[str, int] = {}
+    for flag, value in flags.items():
+        target = _MODEL_FLAGS.get(flag) or _BATCH_FLAGS.get(flag)
+        if target is not None:
+            try:
+                number = int(str(value))
+            except ValueError:
+                raise PlanInputError(f"--model {path}: {flag} {value!r} is not an integer"
+                                     ) from None
+            (batch if flag in _BATCH_FLAGS else kwargs)[target] = number
+        elif flag in _BOOL_FLAGS:
+            kwargs[_BOOL_FLAGS[flag]] = str(value).lower() not in ("false", "0", "no")
+    if "untie_embeddings" not in kwargs:
+        kwargs["untie_embeddings"] = False  # megatron ties them unless told otherwise
+    missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads")
+               if _MODEL_FLAGS[f] not in kwargs]
+    if missing:
+        raise PlanInputError(f"--model {path}: missing {', '.join(missing)}")
+    return ModelSpec(**kwargs), batch
