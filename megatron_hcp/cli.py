@@ -6,9 +6,48 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["UsageError", "build_parser", "main", "parse_and_check"]
+
+MAX_LOCAL_RANKS = 64  # verify-groups starts this many processes on this machine at most
+MAX_STEPS = 100_000
+
+
+class UsageError(ValueError):
+    """Bad command-line input found before anything runs (exit 2, one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _typed(kind: str, name: str = "the value", **bounds: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads the value with the one strict parser of config.py."""
+    from .config import CPConfigError, parse_float, parse_int, parse_value
+
+    def convert(text: str) -> Any:
+        try:
+            if kind == "int":
+                return parse_int(text, name, **bounds)
+            if kind == "float":
+                return parse_float(text, name, **bounds)
+            return parse_value(text, kind, name)
+        except CPConfigError as err:
+            v = err.violations[0]
+            raise argparse.ArgumentTypeError(f"{v.parameter}={v.value!r} {v.rule}; {v.fix}"
+                                             ) from None
+
+    convert.__name__ = kind  # argparse names the type in its message
+    return convert
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -20,36 +59,29 @@ def _check_config(args: argparse.Namespace) -> int:
     except CPConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except Exception as err:  # never a traceback for user input
-        print(f"invalid context-parallel configuration: {err}", file=sys.stderr)
-        return 2
     print("configuration is valid")
     for line in advice:
         print(f"advice: {line}")
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(p) for p in text.strip("[]").split(",") if p.strip()]
+def _parallel_layout(args: argparse.Namespace):
+    """The pure layout of ``args`` (validates sizes, order and HCP levels)."""
+    from .parallel_state.layout import ParallelLayout
+
+    try:
+        return ParallelLayout(
+            world_size=args.world_size, tp=args.tp, cp=args.cp, pp=args.pp,
+            ep=getattr(args, "ep", 1), order=args.order,
+            hierarchical_sizes=tuple(args.hcp) if args.hcp else None)
+    except ValueError as err:
+        raise UsageError(f"invalid layout: {_one_line(err)}") from None
 
 
 def _layout(args: argparse.Namespace) -> int:
-    from .parallel_state.layout import ParallelLayout
     from .parallel_state.report import describe_cp_groups
 
-    try:
-        layout = ParallelLayout(
-            world_size=args.world_size,
-            tp=args.tp,
-            cp=args.cp,
-            pp=args.pp,
-            ep=args.ep,
-            order=args.order,
-            hierarchical_sizes=tuple(_int_list(args.hcp)) if args.hcp else None,
-        )
-    except ValueError as err:
-        print(f"invalid layout: {err}", file=sys.stderr)
-        return 2
+    layout = args.checked
     if args.json:
         print(json.dumps(layout.to_json()))
     else:
@@ -57,25 +89,35 @@ def _layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_groups(args: argparse.Namespace) -> int:
+def _verify_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """CPConfig fields of a verify-groups run, validated before any process starts."""
     from .config import CPConfig, CPConfigError
-    from .local_world import LocalWorld
-    from .parallel_state.selfcheck import check_mpu_groups
 
-    hcp = _int_list(args.hcp) if args.hcp else None
+    model = args.tp * args.cp * args.pp
+    if args.world_size % model:
+        raise UsageError(f"--world-size {args.world_size} must be a multiple of tp*cp*pp="
+                         f"{model}; change --world-size or the sizes")
+    _parallel_layout(args)
     kwargs = dict(
         context_parallel_size=args.cp,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
-        data_parallel_size=args.world_size // (args.tp * args.cp * args.pp),
-        cp_comm_type="a2a+p2p" if hcp else args.cp_comm_type,
-        hierarchical_context_parallel_sizes=hcp,
+        data_parallel_size=args.world_size // model,
+        cp_comm_type="a2a+p2p" if args.hcp else args.cp_comm_type,
+        hierarchical_context_parallel_sizes=args.hcp or None,
     )
     try:
         CPConfig(**kwargs).validate()
     except CPConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+        raise UsageError(_one_line(err)) from None
+    return kwargs
+
+
+def _verify_groups(args: argparse.Namespace) -> int:
+    from .local_world import LocalWorld
+    from .parallel_state.selfcheck import check_mpu_groups
+
+    kwargs = args.checked
     print(f"building process groups on {args.world_size} local gloo ranks: {kwargs}", flush=True)
     with LocalWorld(args.world_size) as world:
         results = world.run(check_mpu_groups, kwargs, args.order)
@@ -128,6 +170,15 @@ def _patch_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _patch_target(args: argparse.Namespace) -> str:
+    import os
+
+    if not os.path.isdir(args.target):
+        raise UsageError(f"--target {args.target!r} is not a directory; give a Megatron-LM "
+                         "checkout or an installed megatron package directory")
+    return args.target
+
+
 def _patch_fork(args: argparse.Namespace) -> int:
     """check | apply | revert the fork-style diffs of patches/ on a target tree."""
     from .patching import PatchError
@@ -152,29 +203,46 @@ def _patch_fork(args: argparse.Namespace) -> int:
         return 2
 
 
+def _read_lengths(path: str) -> list[int]:
+    """The schedule input: a JSON list of integer sequence lengths (nothing coerced)."""
+    from .config import CPConfigError, parse_int
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lengths = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--lengths {path!r}: cannot read a JSON list ({_one_line(err)})"
+                         ) from None
+    if not isinstance(lengths, list):
+        raise UsageError(f"--lengths {path!r} must hold a JSON list of sequence lengths, "
+                         f"got {type(lengths).__name__}")
+    try:
+        return [parse_int(v, f"lengths[{i}]", minimum=1, text=False)
+                for i, v in enumerate(lengths)]
+    except CPConfigError as err:
+        raise UsageError(f"--lengths {path!r}: {err.violations[0]}") from None
+
+
 def _schedule(args: argparse.Namespace) -> int:
     from .dynamic_cp.projection import Hardware, plan_seconds
     from .dynamic_cp.scheduler import schedule
     from .dynamic_cp.workload import GPTWorkload, ScheduleError
 
+    lengths = args.checked
+    workload = GPTWorkload(num_layers=args.layers, hidden_size=args.hidden,
+                           ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+                           num_query_groups=args.kv_heads, gated_mlp=args.gated_mlp,
+                           mode=args.cost)
+    hardware = None
+    if args.link_gbps is not None:
+        hardware = Hardware(flops_per_second=args.tflops * 1e12,
+                            bytes_per_second=args.link_gbps * 1e9,
+                            latency_seconds=args.link_latency_us * 1e-6)
     try:
-        with open(args.lengths, encoding="utf-8") as f:
-            lengths = json.load(f)
-        if not isinstance(lengths, list):
-            raise ScheduleError(f"{args.lengths} must hold a JSON list of sequence lengths")
-        workload = GPTWorkload(num_layers=args.layers, hidden_size=args.hidden,
-                               ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-                               num_query_groups=args.kv_heads, gated_mlp=args.gated_mlp,
-                               mode=args.cost)
-        hardware = None
-        if args.link_gbps is not None:
-            hardware = Hardware(flops_per_second=args.tflops * 1e12,
-                                bytes_per_second=args.link_gbps * 1e9,
-                                latency_seconds=args.link_latency_us * 1e-6)
         plan = schedule(lengths, args.dp_cp, args.max_seqlen_per_rank, workload=workload,
                         min_cp_size=args.min_cp_size, vpp=args.vpp, hardware=hardware)
-    except (ScheduleError, OSError, ValueError) as err:
-        print(f"cannot schedule: {err}", file=sys.stderr)
+    except ScheduleError as err:
+        print(f"cannot schedule: {_one_line(err)}", file=sys.stderr)
         return 2
     if args.plot:
         from .dynamic_cp.plot import plot_plan
@@ -198,98 +266,118 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def _functional(args: argparse.Namespace) -> int:
+def _recipes(args: argparse.Namespace) -> list[Any]:
+    """Load (and so validate) every named recipe before anything runs."""
     from .config import CPConfigError
+    from .functional.harness import recipe_dir
+    from .functional.recipe import list_recipes, load_recipe
+
+    names = args.names or (list_recipes() if args.functional_command == "compare" else [])
+    if not names:
+        raise UsageError("name a recipe (see `megatron-hcp functional list`)")
+    recipes = []
+    for name in names:
+        try:
+            recipes.append(load_recipe(recipe_dir(name), allow_env=args.allow_env))
+        except FileNotFoundError as err:
+            raise UsageError(_one_line(err)) from None
+        except CPConfigError as err:
+            raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
+    return recipes
+
+
+def _functional(args: argparse.Namespace) -> int:
     from .functional import harness
+    from .functional.golden import GoldenError
     from .functional.recipe import list_recipes
 
+    if args.functional_command == "list":
+        for name in list_recipes():
+            print(name)
+        return 0
+    recipes = args.checked
     try:
-        if args.functional_command == "list":
-            for name in list_recipes():
-                print(name)
-            return 0
         if args.functional_command == "update-golden":
-            for name in args.names:
-                for line in harness.update_golden(name):
+            for recipe in recipes:
+                for line in harness.update_golden(recipe):
                     print(line)
             return 0
-        names = args.names or (list_recipes() if args.functional_command == "compare" else [])
-        if not names:
-            print("name a recipe (see `megatron-hcp functional list`)", file=sys.stderr)
-            return 2
         results = []
-        for name in names:
-            print(f"=== {name}", flush=True)
-            result = harness.check_recipe(name, steps=args.steps,
+        for recipe in recipes:
+            print(f"=== {recipe.name}", flush=True)
+            result = harness.check_recipe(recipe, steps=args.steps,
                                           cp_invariance=not args.no_cp1)
             for line in result.lines:
                 print(f"  {line}")
             results.append(result)
-        print()
-        print(harness.summary_table(results))
-        return 0 if all(r.passed for r in results) else 1
-    except CPConfigError as err:
-        print(f"invalid recipe: {err}", file=sys.stderr)
-        return 2
-    except (harness.RecipeRunError, FileNotFoundError) as err:
+    except (harness.RecipeRunError, GoldenError) as err:
         print(str(err), file=sys.stderr)
         return 1
+    print()
+    print(harness.summary_table(results))
+    return 0 if all(r.passed for r in results) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .planner import command as plan_command
 
-    parser = argparse.ArgumentParser(prog="megatron-hcp", description=__doc__)
+    parser = _Parser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    size = _typed("size")
 
     p = sub.add_parser("check-config", help="validate a CP configuration (megatron field names)")
     p.add_argument("pairs", nargs="*", metavar="key=value")
     p.set_defaults(func=_check_config)
 
     p = sub.add_parser("layout", help="print the CP / HCP rank layout")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--hcp", default=None, help="hierarchical sizes a2a,p2p (e.g. 2,2)")
+    p.add_argument("--world-size", type=size, required=True)
+    p.add_argument("--tp", type=size, default=1)
+    p.add_argument("--cp", type=size, default=1)
+    p.add_argument("--pp", type=size, default=1)
+    p.add_argument("--ep", type=size, default=1)
+    p.add_argument("--hcp", type=_typed("?sizes", "--hcp"), default=None,
+                   help="hierarchical sizes a2a,p2p (e.g. 2,2)")
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_layout)
+    p.set_defaults(func=_layout, check=_parallel_layout)
 
     p = sub.add_parser(
         "verify-groups", help="build megatron's (H)CP groups on local gloo ranks and verify them"
     )
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--cp", type=int, default=4)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--hcp", default="2,2")
-    p.add_argument("--cp-comm-type", default="p2p", help="used when --hcp is empty")
+    p.add_argument("--world-size", type=_typed("int", minimum=1, maximum=MAX_LOCAL_RANKS),
+                   default=8, help=f"local ranks (at most {MAX_LOCAL_RANKS})")
+    p.add_argument("--tp", type=size, default=2)
+    p.add_argument("--cp", type=size, default=4)
+    p.add_argument("--pp", type=size, default=1)
+    p.add_argument("--hcp", type=_typed("?sizes", "--hcp"), default=[2, 2])
+    p.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
+                   help="used when --hcp is empty")
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
-    p.set_defaults(func=_verify_groups)
+    p.set_defaults(func=_verify_groups, check=_verify_kwargs)
 
     p = sub.add_parser("schedule", help="plan dynamic-CP micro-batches for a global batch")
-    p.add_argument("--dp-cp", type=int, required=True)
-    p.add_argument("--max-seqlen-per-rank", type=int, required=True)
-    p.add_argument("--min-cp-size", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=1)
+    posint = _typed("int", minimum=1)
+    p.add_argument("--dp-cp", type=size, required=True)
+    p.add_argument("--max-seqlen-per-rank", type=posint, required=True)
+    p.add_argument("--min-cp-size", type=size, default=1)
+    p.add_argument("--vpp", type=_typed("int", minimum=1, maximum=1024), default=1)
     p.add_argument("--cost", choices=["flops", "seq_squared"], default="flops")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--hidden", type=posint, default=4096)
+    p.add_argument("--layers", type=_typed("int", minimum=0), default=1)
+    p.add_argument("--heads", type=posint, default=32)
+    p.add_argument("--kv-heads", type=posint, default=None)
+    p.add_argument("--ffn", type=posint, default=None)
     p.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (3 matmuls)")
-    p.add_argument("--link-gbps", type=float, default=None,
+    p.add_argument("--link-gbps", type=_typed("float", above=0.0), default=None,
                    help="rank plans by projected step time: CP link GB/s (with --tflops, "
                         "--link-latency-us); default: FLOPs makespan")
-    p.add_argument("--link-latency-us", type=float, default=10.0)
-    p.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per rank")
+    p.add_argument("--link-latency-us", type=_typed("float", minimum=0.0), default=10.0)
+    p.add_argument("--tflops", type=_typed("float", above=0.0), default=400.0,
+                   help="achieved TFLOP/s per rank")
     p.add_argument("--lengths", required=True, help="JSON file: a list of sequence lengths")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a Gantt chart (PNG)")
-    p.set_defaults(func=_schedule)
+    p.set_defaults(func=_schedule, check=lambda args: _read_lengths(args.lengths))
 
     p = sub.add_parser("plan", help="rank TP/CP/PP/DP, cp_comm_type, HCP sizes and dynamic-CP "
                                     "knobs for a model on a cluster (projected step time, memory)")
@@ -308,29 +396,60 @@ def build_parser() -> argparse.ArgumentParser:
         p = patch_sub.add_parser(cmd, help=text)
         p.add_argument("--target", required=True,
                        help="a Megatron-LM checkout or an installed megatron package directory")
-        p.set_defaults(func=_patch_fork)
+        p.set_defaults(func=_patch_fork, check=_patch_target)
 
     fn = sub.add_parser("functional", help="functional recipes with golden values (CPU/gloo)")
     fn_sub = fn.add_subparsers(dest="functional_command", required=True)
     p = fn_sub.add_parser("list", help="the recipes")
     p.set_defaults(func=_functional)
+    allow_env = dict(action="append", default=[], metavar="NAME",
+                     help="let the recipe's ENV_VARS set this loader variable (e.g. LD_PRELOAD)")
     for cmd, text in (("run", "run recipes and compare them (golden values, CP=1)"),
                       ("compare", "run and compare every recipe (or the named ones)")):
         p = fn_sub.add_parser(cmd, help=text)
         p.add_argument("names", nargs="*")
-        p.add_argument("--steps", type=int, default=None, help="train this many steps")
+        p.add_argument("--steps", type=_typed("int", minimum=1, maximum=MAX_STEPS),
+                       default=None, help="train this many steps")
         p.add_argument("--no-cp1", action="store_true", help="skip the CP=1 invariance run")
-        p.set_defaults(func=_functional)
+        p.add_argument("--allow-env", **allow_env)
+        p.set_defaults(func=_functional, check=_recipes)
     p = fn_sub.add_parser("update-golden", help="regenerate golden values; say what changed")
     p.add_argument("names", nargs="+")
-    p.set_defaults(func=_functional)
+    p.add_argument("--allow-env", **allow_env)
+    p.set_defaults(func=_functional, check=_recipes)
     return parser
 
 
+def parse_and_check(argv: Sequence[str] | None = None) -> argparse.Namespace | int:
+    """Parse ``argv`` and run the command's input checks (nothing is started).
+
+    Returns the namespace (``checked`` holds what the checks produced), or the exit code
+    (2: bad input, already reported on one line; 0: ``--help``).
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse: --help (0) or a usage error (2, one line printed)
+        return stop.code if isinstance(stop.code, int) else 2
+    check = getattr(args, "check", None)
+    try:
+        args.checked = check(args) if check is not None else None
+    except UsageError as err:
+        print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; bad input exits 2 with one line on stderr, never a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    args = parse_and_check(argv)
+    if isinstance(args, int):
+        return args
+    try:
+        return args.func(args)
+    except UsageError as err:
+        print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,9 +28,15 @@ __all__ = [
     "CP_COMM_TYPES",
     "CPConfig",
     "CPConfigError",
+    "FIELD_KINDS",
+    "MAX_RANKS",
     "Violation",
     "is_power_of_two",
+    "parse_bool",
+    "parse_float",
+    "parse_int",
     "parse_value",
+    "parse_version",
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -188,6 +195,21 @@ class CPConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 out.append(Violation(name, value, "must be an integer >= 1", f"set {name} >= 1"))
+            elif value > MAX_RANKS:
+                out.append(Violation(name, value, f"must be <= {MAX_RANKS} (ranks)",
+                                     f"set {name} <= {MAX_RANKS}"))
+        for name in ("dynamic_context_parallel", "hybrid_context_parallel", "enable_cuda_graph",
+                     "use_megatron_fsdp", "calculate_per_token_loss"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (
+                    value is None and name == "calculate_per_token_loss"):
+                out.append(Violation(name, value, "must be a boolean (True or False)",
+                                     f"set {name}=True or {name}=False"))
+        if self.te_version is not None:
+            try:
+                parse_version(self.te_version, "te_version")
+            except CPConfigError as err:
+                out.extend(err.violations)
         for name in ("num_attention_heads", "num_query_groups", "num_layers", "seq_length"):
             value = getattr(self, name)
             if value is not None and (
@@ -428,7 +450,9 @@ class CPConfig:
                     "install transformer-engine>=1.12 or use cp_attention_backend=reference",
                 )
             )
-        elif _version_tuple(str(self.te_version)) < MIN_TE_VERSION_A2A_P2P:
+        elif isinstance(self.te_version, str) and _VERSION_TEXT.fullmatch(
+                self.te_version.strip()) and (
+                _version_tuple(self.te_version) < MIN_TE_VERSION_A2A_P2P):
             out.append(
                 Violation(
                     "te_version",
@@ -522,45 +546,184 @@ class CPConfig:
 
     @classmethod
     def from_pairs(cls, pairs: Sequence[str]) -> CPConfig:
-        """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``)."""
+        """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``).
+
+        Every value is read by :func:`parse_value` with its field's kind (``FIELD_KINDS``);
+        every bad pair is reported at once in one :class:`CPConfigError`.
+        """
         kwargs: dict[str, Any] = {}
         known = cls.field_names()
-        unknown = []
+        problems: list[Violation] = []
         for pair in pairs:
             key, sep, raw = pair.partition("=")
             key = key.strip().replace("-", "_")
             if not sep:
-                raise CPConfigError(
-                    [Violation(pair, None, "arguments are key=value", "write e.g. seq_length=4096")]
-                )
-            if key not in known:
-                unknown.append(key)
-                continue
-            kwargs[key] = parse_value(raw)
-        if unknown:
-            raise CPConfigError(
-                [
-                    Violation(k, None, "unknown parameter", f"use one of {', '.join(known)}")
-                    for k in unknown
-                ]
-            )
-        if "te_version" in kwargs and kwargs["te_version"] is not None:
-            kwargs["te_version"] = str(kwargs["te_version"])
+                problems.append(Violation(pair, None, "arguments are key=value",
+                                          "write e.g. seq_length=4096"))
+            elif key not in known:
+                problems.append(Violation(key, raw, "unknown parameter",
+                                          f"use one of {', '.join(known)}"))
+            else:
+                try:
+                    kwargs[key] = parse_value(raw, FIELD_KINDS[key], key)
+                except CPConfigError as err:
+                    problems.extend(err.violations)
+        if problems:
+            raise CPConfigError(problems)
         return cls(**kwargs)
 
 
-def parse_value(raw: str) -> Any:
-    """Parse a command-line value: ints, booleans, ``none``, ``[a,b]`` lists, else a string."""
-    text = raw.strip()
-    low = text.lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    if text.startswith("[") and text.endswith("]"):
-        inner = text[1:-1].strip()
-        return [parse_value(p) for p in inner.split(",")] if inner else []
-    try:
-        return int(text)
-    except ValueError:
-        return text.strip("\"'")
+# ---------------------------------------------------------------------- the one value parser
+MAX_RANKS = 1 << 17
+"""Upper bound of every size and world size (131072 ranks): beyond it rank lists exhaust
+memory before anything useful happens."""
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_VERSION_TEXT = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc|\.post|\.dev)[0-9]+)*(\+[A-Za-z0-9.]+)?")
+_BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
+_NONE_TEXT = ("none", "null")
+
+# CPConfig field -> kind for parse_value ("?" prefix: None allowed)
+FIELD_KINDS: dict[str, str] = {
+    "context_parallel_size": "size",
+    "cp_comm_type": "?strs",
+    "hierarchical_context_parallel_sizes": "?sizes",
+    "tensor_model_parallel_size": "size",
+    "pipeline_model_parallel_size": "size",
+    "data_parallel_size": "size",
+    "num_attention_heads": "?posint",
+    "num_query_groups": "?posint",
+    "num_layers": "?posint",
+    "seq_length": "?posint",
+    "dynamic_context_parallel": "bool",
+    "min_dynamic_context_parallel_size": "size",
+    "max_seqlen_per_dp_cp_rank": "?posint",
+    "hybrid_context_parallel": "bool",
+    "calculate_per_token_loss": "?bool",
+    "cuda_graph_impl": "str",
+    "enable_cuda_graph": "bool",
+    "use_megatron_fsdp": "bool",
+    "te_version": "?version",
+    "cp_attention_backend": "str",
+}
+
+
+def _bad(name: str, value: Any, rule: str, fix: str) -> CPConfigError:
+    return CPConfigError([Violation(name, value, rule, fix)])
+
+
+def parse_int(value: Any, name: str, *, minimum: int | None = None,
+              maximum: int | None = None, text: bool = True) -> int:
+    """An integer from an int (never a bool or a float) or, with ``text``, integer digits."""
+    if isinstance(value, str) and text and _INT_TEXT.fullmatch(value.strip()):
+        value = int(value.strip())
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(name, value, "must be an integer", f"give {name} an integer, e.g. 4")
+    if minimum is not None and value < minimum:
+        raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, value, f"must be <= {maximum}", f"use a value <= {maximum}")
+    return value
+
+
+def parse_float(value: Any, name: str, *, minimum: float | None = None,
+                above: float | None = None) -> float:
+    """A finite number from an int, a float or its text (never a bool); ``minimum`` inclusive,
+    ``above`` exclusive."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value):
+        raise _bad(name, value, "must be a finite number", f"give {name} a number, e.g. 1.5")
+    if minimum is not None and value < minimum:
+        raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
+    if above is not None and value <= above:
+        raise _bad(name, value, f"must be > {above}", f"use a value > {above}")
+    return float(value)
+
+
+def parse_bool(value: Any, name: str) -> bool:
+    """A boolean from a bool or one of the spellings true/false/1/0 (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_TEXT:
+        return _BOOL_TEXT[value.strip().lower()]
+    raise _bad(name, value, "must be a boolean (true, false, 1 or 0)",
+               f"write {name}=true or {name}=false")
+
+
+def parse_version(value: Any, name: str) -> str:
+    """A release version such as ``1.12``, ``2.3.0.dev0`` or ``1.13.0+cu12``."""
+    text = value.strip() if isinstance(value, str) else None
+    if text is None or not _VERSION_TEXT.fullmatch(text):
+        raise _bad(name, value, "must be a version number", f"write e.g. {name}=1.12.0")
+    return text
+
+
+def _items(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if not isinstance(value, str):
+        raise _bad(name, value, "must be a list", f"write e.g. {name}=[2,2]")
+    text = value.strip()
+    if text.startswith("[") != text.endswith("]"):
+        raise _bad(name, value, "unbalanced brackets", f"write e.g. {name}=[2,2]")
+    text = text.strip("[]").strip()
+    return [p.strip() for p in text.split(",")] if text else []
+
+
+def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
+    """The one strict value parser: ``raw`` (text, or a YAML/JSON value) as ``kind``.
+
+    Kinds: ``int``, ``posint`` (>= 1), ``size`` (1..:data:`MAX_RANKS`), ``float``, ``bool``,
+    ``version``, ``str``, ``sizes``/``strs`` (lists, ``[2,2]`` or ``2,2``); a ``?`` prefix also
+    accepts ``none``/``null``. ``literal`` (untyped settings): true/false, integers, ``none``,
+    lists, else the text. Raises :class:`CPConfigError` naming ``name``, the value, the rule
+    and the fix.
+    """
+    if kind.startswith("?"):
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_TEXT):
+            return None
+        kind = kind[1:]
+    if kind == "int":
+        return parse_int(raw, name)
+    if kind == "posint":
+        return parse_int(raw, name, minimum=1)
+    if kind == "size":
+        return parse_int(raw, name, minimum=1, maximum=MAX_RANKS)
+    if kind == "float":
+        return parse_float(raw, name)
+    if kind == "bool":
+        return parse_bool(raw, name)
+    if kind == "version":
+        return parse_version(raw, name)
+    if kind == "str":
+        if not isinstance(raw, str) or not raw.strip():
+            raise _bad(name, raw, "must be a non-empty string", f"give {name} a value")
+        return raw.strip()
+    if kind == "sizes":
+        return [parse_int(p, f"{name}[{i}]", minimum=1, maximum=MAX_RANKS)
+                for i, p in enumerate(_items(raw, name))]
+    if kind == "strs":
+        if isinstance(raw, str) and not raw.strip().startswith("["):
+            return parse_value(raw, "str", name)
+        return [parse_value(p, "str", f"{name}[{i}]") for i, p in enumerate(_items(raw, name))]
+    if kind == "literal":
+        if not isinstance(raw, str):
+            return raw
+        text = raw.strip()
+        if text.lower() in _NONE_TEXT:
+            return None
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if _INT_TEXT.fullmatch(text):
+            return int(text)
+        if text.startswith("["):
+            return [parse_value(p, "literal", name) for p in _items(text, name)]
+        return text
+    raise ValueError(f"parse_value: unknown kind {kind!r}")

@@ -71,10 +71,28 @@ def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
+def _check_cp_position(cp_size: int, cp_rank: int) -> None:
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ShardingError(
+            f"cp_size={cp_size}, cp_rank={cp_rank}: need cp_size >= 1 and 0 <= cp_rank < cp_size")
+
+
 def thd_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int
                           ) -> torch.Tensor:
-    """Global token indices held by ``cp_rank`` (TE's ``thd_get_partitioned_indices``)."""
+    """Global token indices held by ``cp_rank`` (TE's ``thd_get_partitioned_indices``).
+
+    Every sequence length in ``cu_seqlens_padded`` must be a multiple of ``2*cp_size``
+    (:func:`pad_thd`); anything else would drop tokens, so it is refused."""
+    _check_cp_position(cp_size, cp_rank)
     cu = [int(x) for x in cu_seqlens_padded.tolist()]
+    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ShardingError(f"cu_seqlens_padded={cu} must start at 0 and be non-decreasing")
+    for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if (end - start) % (2 * cp_size):
+            raise ShardingError(
+                f"sequence {i} has length {end - start}, not a multiple of 2*cp_size="
+                f"{2 * cp_size}: sharding it would silently drop tokens. Pad every sequence "
+                "with megatron_hcp.sharding.pad_thd and pass its cu_seqlens_padded")
     out = []
     for start, end in zip(cu[:-1], cu[1:]):
         c = (end - start) // (2 * cp_size)
@@ -97,9 +115,11 @@ def get_local_chunk(
             raise ShardingError("thd needs cu_seqlens_padded to cut sequences")
         idx = thd_partition_indices(cu_seqlens_padded, cp_size, cp_rank).to(x.device)
         return x.index_select(dim, idx)
+    _check_cp_position(cp_size, cp_rank)
     if x.shape[dim] % (2 * cp_size):
         raise ShardingError(
-            f"sequence length {x.shape[dim]} is not divisible by 2*cp_size={2 * cp_size}"
+            f"sequence length {x.shape[dim]} is not divisible by 2*cp_size={2 * cp_size}: "
+            "pad the sequence to a multiple of 2*cp_size (thd: pad_thd)"
         )
     chunks = x.chunk(2 * cp_size, dim=dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)

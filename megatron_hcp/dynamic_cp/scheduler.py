@@ -146,14 +146,17 @@ class _Pool:
         other.placed = list(self.placed)
         return other
 
-    def take_largest(self, max_size: int, limit: float) -> int | None:
-        """Remove the costliest sequence with min size <= ``max_size`` and cost <= ``limit``."""
+    def take_largest(self, max_size: int, limit: float, fits=None) -> int | None:
+        """Remove the costliest sequence with min size <= ``max_size``, cost <= ``limit`` and
+        ``fits(s)`` (the token cap: checked on the sequence itself, whatever the cost model)."""
         best_c, best_i, best = -1, -1, -1.0
         for c in self.sizes:
             if c > max_size:
                 break
-            costs = self.cost[c]
+            costs, ids = self.cost[c], self.ids[c]
             i = bisect_right(costs, limit) - 1
+            while fits is not None and i >= 0 and costs[i] > best and not fits(ids[i]):
+                i -= 1
             if i >= 0 and costs[i] > best:
                 best_c, best_i, best = c, i, costs[i]
         if best_c < 0:
@@ -280,7 +283,9 @@ class _Packer:
                 if longest < 1:
                     break
                 limit = min((level - b.load) * b.size * (1 + 1e-12), self.cost1(longest))
-                s = pool.take_largest(b.size, limit)
+                s = pool.take_largest(
+                    b.size, limit,
+                    lambda s, b=b, room=room: tokens_per_rank(self.lengths[s], b.size) <= room)
                 if s is None:
                     break
                 b.samples.append(s)
@@ -393,8 +398,31 @@ def schedule(
             tuple(Group(tuple(range(st, st + sz)), tuple(sorted(v)))
                   for (st, sz), v in sorted(groups.items())), tuple(idle)))
     plan = Plan(tuple(micro_batches), tuple(notes))
+    _verify_plan(plan, lengths, n, cap)
     object.__setattr__(plan, "summary", summarize(plan, lengths, n, cap, model, min_cp_size))
     return plan
+
+
+def _verify_plan(plan: Plan, lengths: Sequence[int], n: int, cap: int) -> None:
+    """Final check of every plan, whatever built it: each sample exactly once, groups inside
+    the ``n`` ranks, and no rank above the token cap."""
+    seen: list[int] = []
+    for j, mb in enumerate(plan.micro_batches):
+        for group in mb.groups:
+            size = len(group.ranks)
+            tokens = sum(tokens_per_rank(lengths[s], size) for s in group.samples)
+            if tokens > cap:
+                raise ScheduleError(
+                    f"internal scheduler error: micro-batch {j} puts {tokens} tokens on each "
+                    f"rank of group {list(group.ranks)} (samples {list(group.samples)}), above "
+                    f"max_seqlen_per_dp_cp_rank={cap}; please report it with the lengths")
+            if group.ranks and (group.ranks[0] < 0 or group.ranks[-1] >= n):
+                raise ScheduleError(f"internal scheduler error: group {list(group.ranks)} of "
+                                    f"micro-batch {j} is outside the {n} ranks")
+            seen.extend(group.samples)
+    if sorted(seen) != list(range(len(lengths))):
+        raise ScheduleError("internal scheduler error: the plan does not place every sample "
+                            "exactly once; please report it with the lengths")
 
 
 def summarize(plan: Plan, lengths: Sequence[int], n: int, cap: int,

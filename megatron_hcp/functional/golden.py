@@ -7,23 +7,97 @@ File: ``{"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1,
 * ``num-zeros``: each step within relative tolerance 0.20;
 
 and a metric passes when at least :data:`MIN_FRACTION` of the compared steps pass.
+
+Nothing is lost or passes by accident: a golden file is validated when it is read (every step
+from ``start_step`` to ``end_step`` present, finite numbers only, plain JSON: no NaN/Infinity);
+every golden step must be in the run, and a non-finite value in a run is a failure. Golden files
+are replaced only by :func:`replace_golden`: it refuses a run that is non-finite or shorter than
+the recipe, writes atomically (temporary file, fsync, rename) and reports the change per step.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GATED", "MIN_FRACTION", "Comparison", "compare", "load_golden", "to_golden",
-           "write_golden"]
+__all__ = ["GATED", "MIN_FRACTION", "Comparison", "GoldenError", "compare", "golden_steps",
+           "load_golden", "replace_golden", "to_golden", "validate_golden", "write_golden"]
 
 GATED = {"lm loss": 0.05, "num-zeros": 0.20}
 REPORTED = ("iteration-time", "mem-allocated-bytes")
 MIN_FRACTION = 0.95
 METRICS = ("lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes")
+
+
+class GoldenError(ValueError):
+    """A golden file or a run's metrics that cannot be trusted (named: file, metric, step)."""
+
+
+def _finite_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def golden_steps(block: Mapping) -> list[int]:
+    """The steps a golden metric block promises: ``start_step..end_step`` by ``step_interval``."""
+    return list(range(block["start_step"], block["end_step"] + 1, block["step_interval"]))
+
+
+def validate_golden(golden: Any, where: str = "golden values") -> dict[str, dict]:
+    """Check the golden-values structure; raise :class:`GoldenError` naming what is wrong."""
+    if not isinstance(golden, dict):
+        raise GoldenError(f"{where}: must be a JSON object of metrics; regenerate it with "
+                          "`megatron-hcp functional update-golden NAME`")
+    for name in GATED:
+        if name not in golden:
+            raise GoldenError(f"{where}: gated metric {name!r} is missing; regenerate it with "
+                              "`megatron-hcp functional update-golden NAME`")
+    for name, block in golden.items():
+        if not isinstance(block, dict) or "values" not in block or not isinstance(
+                block["values"], dict):
+            raise GoldenError(f"{where}: {name!r} must hold start_step, end_step, "
+                              "step_interval and values")
+        for key in ("start_step", "end_step", "step_interval"):
+            value = block.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GoldenError(f"{where}: {name!r} {key}={value!r} must be an integer >= 1")
+        if block["end_step"] < block["start_step"]:
+            raise GoldenError(f"{where}: {name!r} end_step={block['end_step']} < "
+                              f"start_step={block['start_step']}")
+        want = golden_steps(block)
+        have = block["values"]
+        missing = [s for s in want if str(s) not in have]
+        extra = sorted(set(have) - {str(s) for s in want})
+        if missing or extra:
+            raise GoldenError(f"{where}: {name!r} values must cover steps {want[0]}..{want[-1]} "
+                              f"exactly; missing {missing[:10]}, unexpected {extra[:10]} "
+                              "(truncated or edited file?)")
+        bad = [(s, have[str(s)]) for s in want if not _finite_number(have[str(s)])]
+        if bad:
+            raise GoldenError(f"{where}: {name!r} step {bad[0][0]} is {bad[0][1]!r}; golden "
+                              "values must be finite numbers")
+    return golden
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a number in standard JSON")
+
+
+def load_golden(path: Path) -> dict[str, dict]:
+    """Read and validate a golden file (plain JSON: NaN/Infinity are refused)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        golden = json.loads(text, parse_constant=_no_constants)
+    except (OSError, ValueError) as err:
+        raise GoldenError(f"{path}: cannot read golden values ({' '.join(str(err).split())})"
+                          ) from None
+    return validate_golden(golden, str(path))
 
 
 def to_golden(metrics: dict[str, dict[Any, float]]) -> dict[str, dict]:
@@ -37,21 +111,80 @@ def to_golden(metrics: dict[str, dict[Any, float]]) -> dict[str, dict]:
     return out
 
 
-def load_golden(path: Path) -> dict[str, dict]:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+def _check_run(metrics: Mapping[str, Mapping[Any, float]], steps: int) -> None:
+    """A run fit to become golden values: every metric, steps 1..``steps``, all finite."""
+    runs = {name: {int(k): v for k, v in metrics.get(name, {}).items()} for name in METRICS}
+    for name, got in runs.items():  # divergence first: it says more than the length
+        bad = [s for s in sorted(got) if not _finite_number(got[s])]
+        if bad:
+            raise GoldenError(f"refusing to update golden values: {name!r} at step {bad[0]} is "
+                              f"{got[bad[0]]} (the run diverged); fix the run first")
+    for name, got in runs.items():
+        missing = [s for s in range(1, steps + 1) if s not in got]
+        if missing:
+            raise GoldenError(f"refusing to update golden values: {name!r} has no value for "
+                              f"steps {missing[:10]} (the recipe trains {steps} steps; the run "
+                              "was shorter)")
 
 
 def write_golden(path: Path, metrics: dict[str, dict[Any, float]]) -> dict[str, dict]:
-    golden = to_golden(metrics)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(golden, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    """Write ``metrics`` as golden values atomically: temporary file, fsync, rename, fsync dir."""
+    golden = validate_golden(to_golden(metrics), "new golden values")
+    path = Path(path)
+    text = json.dumps(golden, indent=2, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return golden
 
 
-def _values(block: dict) -> dict[int, float]:
-    return {int(k): float(v) for k, v in block["values"].items()}
+def replace_golden(path: Path, metrics: dict[str, dict[Any, float]], steps: int,
+                   label: str = "") -> list[str]:
+    """Replace the golden file with a finished run of ``steps`` steps; lines per changed step.
+
+    Refuses (:class:`GoldenError`, file untouched) a run with a non-finite value or fewer steps.
+    """
+    _check_run(metrics, steps)
+    label = label or Path(path).parent.name
+    old = None
+    lines = []
+    if Path(path).is_file():
+        try:
+            old = load_golden(path)
+        except GoldenError as err:
+            lines.append(f"{label}: replacing unreadable golden values ({err})")
+    new = to_golden(metrics)
+    if old is None and not lines:
+        lines.append(f"{label}: new golden values ({new['lm loss']['end_step']} steps)")
+    for name in GATED:
+        before = {int(k): v for k, v in (old or {}).get(name, {}).get("values", {}).items()}
+        after = {int(k): v for k, v in new[name]["values"].items()}
+        changed = 0
+        for s in sorted(set(before) | set(after)):
+            a, b = before.get(s), after.get(s)
+            if a == b:
+                continue
+            changed += 1
+            rel = (abs(b - a) / max(abs(a), 1e-12)) if a is not None and b is not None else None
+            lines.append(f"{label}: {name} step {s}: {a if a is not None else '-'} -> "
+                         f"{b if b is not None else '-'}"
+                         + (f" (relative change {rel:.3e})" if rel is not None else ""))
+        lines.append(f"{label}: {name}: {changed} of {len(set(before) | set(after))} steps "
+                     "changed")
+    write_golden(path, metrics)
+    return lines
 
 
 @dataclass
@@ -64,41 +197,46 @@ class Comparison:
     steps: int = 0
 
 
+def _rel(got: float, want: float) -> float:
+    if not (math.isfinite(got) and math.isfinite(want)):
+        return math.inf
+    return 0.0 if got == want else abs(got - want) / max(abs(want), 1e-12)
+
+
 def compare(actual: dict[str, dict[Any, float]], golden: dict[str, dict]) -> Comparison:
     """Compare a run's per-step metrics with golden values (module docstring rules)."""
+    validate_golden(golden)
     ok = True
     lines: list[str] = []
     max_loss = 0.0
     n_steps = 0
     for name, rtol in GATED.items():
-        if name not in golden:
-            lines.append(f"{name}: missing from the golden values")
+        steps = golden_steps(golden[name])
+        want = {s: float(golden[name]["values"][str(s)]) for s in steps}
+        got = {int(k): float(v) for k, v in actual.get(name, {}).items()}
+        missing = [s for s in steps if s not in got]
+        if missing:
+            lines.append(f"{name}: FAIL the run has no value for golden steps {missing[:10]} "
+                         f"(golden covers {steps[0]}..{steps[-1]}; the run was shorter)")
             ok = False
             continue
-        want = _values(golden[name])
-        got = {int(k): float(v) for k, v in actual[name].items()}
-        common = sorted(set(want) & set(got))
-        if not common:
-            lines.append(f"{name}: no common steps (run {sorted(got)[:3]}..., golden "
-                         f"{sorted(want)[:3]}...)")
-            ok = False
-            continue
-        rels = [0.0 if got[s] == want[s] else
-                abs(got[s] - want[s]) / max(abs(want[s]), 1e-12) for s in common]
+        rels = [_rel(got[s], want[s]) for s in steps]
         passing = sum(r <= rtol for r in rels)
-        fraction = passing / len(common)
-        good = fraction >= MIN_FRACTION and all(math.isfinite(got[s]) for s in common)
+        fraction = passing / len(steps)
+        nonfinite = [s for s in steps if not math.isfinite(got[s])]
+        good = fraction >= MIN_FRACTION and not nonfinite
         ok &= good
-        worst = max(range(len(common)), key=lambda i: rels[i])
+        worst = max(range(len(steps)), key=lambda i: rels[i])
         lines.append(
-            f"{name}: {'PASS' if good else 'FAIL'} {passing}/{len(common)} steps within rtol "
+            f"{name}: {'PASS' if good else 'FAIL'} {passing}/{len(steps)} steps within rtol "
             f"{rtol} (need {MIN_FRACTION:.0%}); largest deviation {rels[worst]:.3e} at step "
-            f"{common[worst]} (run {got[common[worst]]:.6g}, golden {want[common[worst]]:.6g})")
+            f"{steps[worst]} (run {got[steps[worst]]:.6g}, golden {want[steps[worst]]:.6g})"
+            + (f"; non-finite at steps {nonfinite[:10]}" if nonfinite else ""))
         if name == "lm loss":
-            max_loss, n_steps = max(rels), len(common)
+            max_loss, n_steps = max(rels), len(steps)
     for name in REPORTED:
         if name in golden and name in actual:
-            want = _values(golden[name])
+            want = {int(k): float(v) for k, v in golden[name]["values"].items()}
             got = {int(k): float(v) for k, v in actual[name].items()}
             common = sorted(set(want) & set(got))
             if common:

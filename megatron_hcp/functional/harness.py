@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -18,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .golden import Comparison, compare, load_golden, to_golden, write_golden
+from .golden import Comparison, compare, load_golden, replace_golden
 from .recipe import RECIPES_DIR, Recipe, load_recipe
 
-__all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "run_recipe", "summary_table",
-           "update_golden"]
+__all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "max_rel_deviation", "recipe_dir",
+           "run_recipe", "summary_table", "update_golden"]
 
 CP1_RTOL = 1e-5
 RESUME_RTOL = 1e-6
@@ -32,7 +33,8 @@ class RecipeRunError(RuntimeError):
     """The ranks of a recipe failed; carries the tail of their log."""
 
 
-def _recipe_dir(name_or_path: str | os.PathLike) -> Path:
+def recipe_dir(name_or_path: str | os.PathLike) -> Path:
+    """A recipe's directory: a path holding ``model_config.yaml``, or a shipped recipe name."""
     path = Path(name_or_path)
     if (path / "model_config.yaml").is_file():
         return path
@@ -79,11 +81,19 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
     return {name: {int(k): float(v) for k, v in values.items()} for name, values in raw.items()}
 
 
-def _max_rel(a: dict[int, float], b: dict[int, float]) -> float:
-    common = sorted(set(a) & set(b))
-    return max((abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in common), default=float("inf"))
-
-
+def max_rel_deviation(run: dict[int, float], reference: dict[int, float],
+                      steps: range) -> float:
+    """Largest relative deviation of ``run`` from ``reference`` over ``steps``; ``inf`` when a
+    step is missing from either or a value is not finite (NaN never passes as 0)."""
+    worst = 0.0
+    for s in steps:
+        if s not in run or s not in reference:
+            return math.inf
+        a, b = run[s], reference[s]
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return math.inf
+        worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+    return worst if len(steps) else math.inf
 
 
 @dataclass
@@ -109,18 +119,24 @@ def _run_with_resume(recipe: Recipe, steps: int, echo) -> tuple[dict, float]:
             echo(f"[{recipe.name}] resuming from the checkpoint of step {half}")
         resumed = run_recipe(recipe, steps=steps, echo=echo,
                              extra=["--checkpoint-dir", ckpt, "--resume-from", str(half)])
-    return full, _max_rel(resumed["lm loss"], full["lm loss"])
+    return full, max_rel_deviation(resumed["lm loss"], full["lm loss"], range(half + 1, steps + 1))
 
 
-def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = True,
+def _recipe(recipe: Recipe | str | os.PathLike) -> Recipe:
+    return recipe if isinstance(recipe, Recipe) else load_recipe(recipe_dir(recipe))
+
+
+def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invariance: bool = True,
                  echo: Callable[[str], None] | None = print,
                  cp1_cache: dict | None = None) -> RecipeResult:
     """Run a recipe, compare with golden values, with CP=1 and (ckpt-resume) after resuming.
 
     ``cp1_cache`` (optional, caller-owned) reuses the CP=1 run of recipes whose CP=1 form is
     the same model, data and layout (e.g. the p2p / all_gather / a2a family)."""
-    recipe = load_recipe(_recipe_dir(name))
+    recipe = _recipe(recipe)
     n = steps or recipe.spec.steps
+    golden_file = recipe.golden_path()
+    golden = load_golden(golden_file) if golden_file.is_file() else None  # before training
     result = RecipeResult(recipe.name, n, True)
     if recipe.test_type == "ckpt-resume":
         metrics, result.resume_max_rel = _run_with_resume(recipe, n, echo)
@@ -130,9 +146,8 @@ def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = T
                             f"deviate by {result.resume_max_rel:.3e} (limit {RESUME_RTOL})")
     else:
         metrics = run_recipe(recipe, steps=n, echo=echo)
-    golden_file = recipe.golden_path()
-    if golden_file.is_file():
-        result.golden = compare(metrics, load_golden(golden_file))
+    if golden is not None:
+        result.golden = compare(metrics, golden)
         result.passed &= result.golden.passed
         result.lines += result.golden.lines
     else:
@@ -150,7 +165,8 @@ def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = T
             base = run_recipe(recipe, steps=n, cp1=True, echo=echo)
             if cp1_cache is not None:
                 cp1_cache[key] = base
-        result.cp1_max_rel = _max_rel(metrics["lm loss"], base["lm loss"])
+        result.cp1_max_rel = max_rel_deviation(metrics["lm loss"], base["lm loss"],
+                                               range(1, n + 1))
         good = result.cp1_max_rel <= CP1_RTOL
         result.passed &= good
         result.lines.append(f"CP invariance: {'PASS' if good else 'FAIL'} lm loss vs the same "
@@ -159,26 +175,15 @@ def check_recipe(name: str, *, steps: int | None = None, cp_invariance: bool = T
     return result
 
 
-def update_golden(name: str, *, echo: Callable[[str], None] | None = print) -> list[str]:
-    """Regenerate a recipe's golden values; return lines saying what changed."""
-    recipe = load_recipe(_recipe_dir(name))
+def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = print
+                  ) -> list[str]:
+    """Regenerate a recipe's golden values; return lines saying what changed per step.
+
+    A failed run raises :class:`RecipeRunError`; a diverged (non-finite) or short run is
+    refused by :func:`~.golden.replace_golden`; either way the golden file is untouched."""
+    recipe = _recipe(recipe)
     metrics = run_recipe(recipe, echo=echo)
-    path = recipe.golden_path()
-    old = load_golden(path) if path.is_file() else None
-    new = to_golden(metrics)
-    lines = []
-    if old is None:
-        lines.append(f"{recipe.name}: new golden values ({new['lm loss']['end_step']} steps)")
-    else:
-        for metric in ("lm loss", "num-zeros"):
-            before = {int(k): v for k, v in old.get(metric, {}).get("values", {}).items()}
-            after = {int(k): v for k, v in new[metric]["values"].items()}
-            changed = [s for s in after if before.get(s) != after[s]]
-            lines.append(f"{recipe.name}: {metric}: {len(changed)}/{len(after)} steps changed"
-                         + (f", largest relative change {_max_rel(after, before):.3e}"
-                            if changed and before else ""))
-    write_golden(path, metrics)
-    return lines
+    return replace_golden(recipe.golden_path(), metrics, recipe.spec.steps, recipe.name)
 
 
 def summary_table(results: list[RecipeResult]) -> str:

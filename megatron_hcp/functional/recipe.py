@@ -3,31 +3,48 @@
 ``MODEL_ARGS`` holds megatron command-line flags. Every flag is mapped onto the project's
 :class:`~megatron_hcp.config.CPConfig` (validated, so bad CP flags get the config errors) and
 :class:`~megatron_hcp.training.trainer.TinyGPTSpec`; a flag this CPU harness does not know is
-an error that names it (nothing is ignored silently).
+an error that names it (nothing is ignored silently). Values are read by the project's one
+strict parser (:func:`megatron_hcp.config.parse_value`): ``2.7`` is not an integer and ``true``
+is not 1.
+
+A recipe is trusted like code: its ``ENV_VARS`` reach the ranks' environment as given, so only
+run recipes you would run as scripts. Variables that make the dynamic loader or the interpreter
+load other code (``LD_*``, ``DYLD_*``, ``PYTHONPATH``, ``PYTHONSTARTUP``, ...) are refused
+unless the caller names them in ``allow_env`` (``functional run --allow-env NAME``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..config import CPConfig, CPConfigError, Violation
+from ..config import CPConfig, CPConfigError, Violation, parse_value
 from ..data import data_dir
 from ..training.trainer import TinyGPTSpec, VarLen
 
-__all__ = ["Recipe", "RECIPES_DIR", "list_recipes", "load_recipe"]
+__all__ = ["LOADER_ENV_VARS", "Recipe", "RECIPES_DIR", "TEST_TYPES", "list_recipes",
+           "load_recipe"]
 
 RECIPES_DIR = data_dir("recipes")
 PLATFORM = "cpu_gloo"
 ENVIRONMENT = "dev"
 
-# flag -> (TinyGPTSpec field or None, CPConfig field or None, converter)
-_INT, _FLOAT, _BOOL = int, float, "bool"
+TEST_TYPES = ("regular", "ckpt-resume")
+# environment variables that load other code into the ranks (refused unless allowed)
+LOADER_ENV_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE",
+                   "PYTHONUSERBASE", "BASH_ENV", "ENV")
+_LOADER_PREFIXES = ("LD_", "DYLD_")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# flag -> (TinyGPTSpec field or None, CPConfig field or None, parse_value kind)
+_INT, _FLOAT, _BOOL = "posint", "float", "bool"
 _FLAGS: dict[str, tuple[str | None, str | None, Any]] = {
     "--num-layers": ("num_layers", "num_layers", _INT),
     "--hidden-size": ("hidden_size", None, _INT),
@@ -42,7 +59,7 @@ _FLAGS: dict[str, tuple[str | None, str | None, Any]] = {
     "--lr": ("lr", None, _FLOAT),
     "--seed": ("seed", None, _INT),
     "--vocab-size": ("vocab_size", None, _INT),
-    "--tokenizer-type": (None, None, str),
+    "--tokenizer-type": (None, None, "str"),
     "--tensor-model-parallel-size": ("tensor_model_parallel_size",
                                      "tensor_model_parallel_size", _INT),
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size",
@@ -50,9 +67,9 @@ _FLAGS: dict[str, tuple[str | None, str | None, Any]] = {
     "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", None,
                                                _INT),
     "--context-parallel-size": ("context_parallel_size", "context_parallel_size", _INT),
-    "--cp-comm-type": ("cp_comm_type", "cp_comm_type", str),
+    "--cp-comm-type": ("cp_comm_type", "cp_comm_type", "str"),
     "--hierarchical-context-parallel-sizes": ("hierarchical_context_parallel_sizes",
-                                              "hierarchical_context_parallel_sizes", "ints"),
+                                              "hierarchical_context_parallel_sizes", "sizes"),
     "--dynamic-context-parallel": ("dynamic_context_parallel", "dynamic_context_parallel",
                                    _BOOL),
     "--hybrid-context-parallel": ("dynamic_context_parallel", "hybrid_context_parallel", _BOOL),
@@ -62,7 +79,7 @@ _FLAGS: dict[str, tuple[str | None, str | None, Any]] = {
                                     _INT),
     "--calculate-per-token-loss": (None, "calculate_per_token_loss", _BOOL),
     "--untie-embeddings-and-output-weights": (None, None, _BOOL),
-    "--position-embedding-type": (None, None, str),
+    "--position-embedding-type": (None, None, "str"),
     "--mock-data": (None, None, _BOOL),
     "--use-decentralized-pg": (None, None, _BOOL),
     # variable-length mock data (upstream: lognormal, min 128 / max 2048 / mean 512 / sigma 1.2)
@@ -114,39 +131,90 @@ class Recipe:
         return dataclasses.replace(self, name=self.name + "@cp1", config=config, spec=spec)
 
 
-def _convert(flag: str, raw: Any, kind: Any) -> Any:
-    if kind == _BOOL:
-        if raw in (True, None, "", "true", "True"):
-            return True
-        if raw in (False, "false", "False"):
-            return False
-        raise CPConfigError([Violation(flag, raw, "is a switch", f"write {flag}: true")])
-    if kind == "ints":
-        parts = raw if isinstance(raw, list) else str(raw).replace(",", " ").split()
-        return [int(p) for p in parts]
+def _convert(flag: str, raw: Any, kind: str) -> Any:
+    if kind == _BOOL and raw in (None, ""):
+        return True  # a bare switch (``--mock-data:``)
+    return parse_value(raw, kind, flag)
+
+
+def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
+    if not isinstance(env, dict):
+        raise CPConfigError([Violation("ENV_VARS", env, "must be a mapping NAME: value",
+                                       "write ENV_VARS: {NAME: value} or ENV_VARS: {}")])
+    allowed = set(allow_env)
+    out, problems = {}, []
+    for name, value in env.items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            problems.append(Violation("ENV_VARS", name, "is not an environment variable name",
+                                      "use letters, digits and _"))
+        elif isinstance(value, (dict, list)) or value is None:
+            problems.append(Violation(f"ENV_VARS.{name}", value, "must be a single value",
+                                      "give a string or a number"))
+        elif (name in LOADER_ENV_VARS or name.startswith(_LOADER_PREFIXES)) and (
+                name not in allowed):
+            problems.append(Violation(
+                f"ENV_VARS.{name}", value, "makes the ranks load other code (a recipe is "
+                "trusted like code, but loader variables are refused by default)",
+                f"remove it, or allow it explicitly: functional run --allow-env {name}"))
+        else:
+            out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    if problems:
+        raise CPConfigError(problems)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
     try:
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise CPConfigError([Violation(flag, raw, f"must be {kind.__name__}",
-                                       f"give {flag} a {kind.__name__} value")]) from None
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        detail = " ".join(str(err).split())
+        raise CPConfigError([Violation(str(path), None, f"is not plain YAML ({detail})",
+                                       "write plain YAML (no Python tags)")]) from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise CPConfigError([Violation(str(path), type(doc).__name__, "must be a YAML mapping",
+                                       "use the keys ENV_VARS, NPROC, TEST_TYPE, MODEL_ARGS")])
+    return doc
 
 
-def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Parse ``<path>/model_config.yaml`` (``yaml.safe_load``) into a validated recipe."""
+def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Recipe:
+    """Parse ``<path>/model_config.yaml`` (``yaml.safe_load``) into a validated recipe.
+
+    ``allow_env`` names loader variables (:data:`LOADER_ENV_VARS`, ``LD_*``, ``DYLD_*``) the
+    recipe's ``ENV_VARS`` may set.
+    """
     root = Path(path)
-    with open(root / "model_config.yaml", encoding="utf-8") as fh:
-        doc = yaml.safe_load(fh) or {}
-    args = dict(doc.get("MODEL_ARGS") or {})
+    doc = _read_yaml(root / "model_config.yaml")
+    model_args = doc.get("MODEL_ARGS") or {}
+    if not isinstance(model_args, dict):
+        raise CPConfigError([Violation("MODEL_ARGS", model_args, "must be a mapping of flags",
+                                       "write MODEL_ARGS: {--flag: value}")])
+    args = dict(model_args)
     unknown = [f for f in args if f not in _FLAGS]
     if unknown:
         raise CPConfigError([Violation(f, args[f], "is not a flag this CPU harness maps",
                                        f"use one of {', '.join(sorted(_FLAGS))}")
                              for f in unknown])
-    values = {f: _convert(f, raw, _FLAGS[f][2]) for f, raw in args.items()}
-    bad = [Violation(f, values[f], f"must be {want} on {PLATFORM}", f"set {f} {want}")
-           for f, want in _FIXED.items() if f in values and values[f] != want]
-    if bad:
-        raise CPConfigError(bad)
+    values, problems = {}, []
+    for flag, raw in args.items():
+        try:
+            values[flag] = _convert(flag, raw, _FLAGS[flag][2])
+        except CPConfigError as err:
+            problems.extend(err.violations)
+    problems += [Violation(f, values[f], f"must be {want} on {PLATFORM}", f"set {f} {want}")
+                 for f, want in _FIXED.items() if f in values and values[f] != want]
+    if problems:
+        raise CPConfigError(problems)
+    env = _check_env(doc.get("ENV_VARS") or {}, allow_env)
+    if "NPROC" not in doc:
+        raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
+                                       "add NPROC: <ranks> to model_config.yaml")])
+    world = parse_value(doc["NPROC"], "size", "NPROC")
+    test_type = parse_value(doc.get("TEST_TYPE", "regular"), "str", "TEST_TYPE")
+    if test_type not in TEST_TYPES:
+        raise CPConfigError([Violation("TEST_TYPE", test_type, "unknown test type",
+                                       f"use one of {', '.join(TEST_TYPES)}")])
     spec_kwargs: dict[str, Any] = {}
     cfg_kwargs: dict[str, Any] = {}
     for flag, value in values.items():
@@ -166,17 +234,12 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
             samples_per_micro_batch=values.get("--mock-samples-per-micro-batch", 1))
     spec = TinyGPTSpec(**spec_kwargs)
     model = spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size
-    env = {str(k): str(v) for k, v in (doc.get("ENV_VARS") or {}).items()}
-    world = int(doc.get("NPROC", 0))
-    if world <= 0:
-        raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
-                                       "add NPROC: <ranks> to model_config.yaml")])
     cp = spec.context_parallel_size
     cfg_kwargs["data_parallel_size"] = world // (model * cp) if world % (model * cp) == 0 else 0
     config = CPConfig(**cfg_kwargs)
     config.validate()
-    return Recipe(name=root.name, path=root, env=env, args=args,
-                  test_type=str(doc.get("TEST_TYPE", "regular")), config=config, spec=spec,
+    return Recipe(name=root.name, path=root, env=env, args=args, test_type=test_type,
+                  config=config, spec=spec,
                   decentralized=bool(values.get("--use-decentralized-pg")))
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from .agreement import agree_on_config
 from .dynamic import attach_dynamic_cp_groups, create_dynamic_cp_groups, dynamic_cp_groups_of
 from .groups import destroy_groups, group_kwargs
 from .layout import ParallelLayout
@@ -116,6 +117,7 @@ def create_pg_collection_and_grid(
     hcp_pg_options: Any = None,
     get_embedding_ranks: Callable | None = None,
     get_position_embedding_ranks: Callable | None = None,
+    agreement_timeout: timedelta | None = None,
 ):
     """(collection, grid): every group of the decentralized path for ``config`` (``hcp`` set for
     a2a+p2p) and the dense ``HyperCommGrid`` when it alone describes the collection (None when
@@ -124,11 +126,18 @@ def create_pg_collection_and_grid(
     ``world_size`` ranks starting at ``rank_offset`` form the grid (default: the whole world
     from 0), so several grids can share one world. ``timeout``/``pg_options`` go to every group,
     ``hcp_pg_options`` (one value or one per level) to the hierarchical ones. All ranks of the
-    world must call this with the same arguments (group creation is collective).
+    world must call this with the same arguments (group creation is collective): they are
+    compared first (:func:`~megatron_hcp.parallel_state.agreement.agree_on_config`, bounded by
+    ``agreement_timeout``), so a difference or a missing rank is an error on every rank.
     """
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    agree_on_config(config, tag="pg_collection", timeout=agreement_timeout,
+                    expert_model_parallel_size=expert_model_parallel_size,
+                    expert_tensor_parallel_size=expert_tensor_parallel_size,
+                    grid_world_size=world_size, rank_offset=rank_offset, backend=backend,
+                    group_timeout=timeout, pg_options=pg_options, hcp_pg_options=hcp_pg_options)
     config.validate()
     tp, cp, pp = (config.tensor_model_parallel_size, config.context_parallel_size,
                   config.pipeline_model_parallel_size)
@@ -211,7 +220,7 @@ def create_pg_collection_and_grid(
         # destroyed by destroy_pg_collection
         attach_dynamic_cp_groups(collection, create_dynamic_cp_groups(
             layout.groups["dp_cp"], groups["dp_cp"], config.min_dynamic_context_parallel_size,
-            timeout=timeout, pg_options=pg_options))
+            timeout=timeout, pg_options=pg_options, agreement_timeout=agreement_timeout))
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(layout):
             logger.info(line)

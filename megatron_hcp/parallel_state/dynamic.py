@@ -74,14 +74,22 @@ def create_dynamic_cp_groups(
     timeout: Any = None,
     pg_options: Any = None,
     warm_up: bool = True,
+    agreement_timeout: Any = None,
 ) -> DynamicCPGroups:
     """Create the dynamic CP groups of every DPxCP group (collective over the whole world).
 
     ``all_dp_cp_ranks`` lists every DPxCP group of the world (the same list on all ranks);
     ``dp_cp_group`` is this rank's DPxCP process group (used for size ``N``). ``new_group``
     defaults to ``torch.distributed.new_group`` (the MPU layer passes megatron's
-    ``create_group`` so that megatron's destroy sees the groups).
+    ``create_group`` so that megatron's destroy sees the groups). Before any group is created
+    all ranks agree on the rank lists and ``min_size``
+    (:func:`~megatron_hcp.parallel_state.agreement.agree`, bounded by ``agreement_timeout``).
     """
+    from .agreement import agree
+
+    agree({"all_dp_cp_ranks": [[int(r) for r in ranks] for ranks in all_dp_cp_ranks],
+           "min_dynamic_context_parallel_size": min_size},
+          what="dynamic CP groups", tag="dynamic_cp", timeout=agreement_timeout)
     make = new_group or dist.new_group
     rank = dist.get_rank()
     kwargs = group_kwargs(timeout, pg_options)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from .agreement import agree_on_config
 from .dynamic import DynamicCPGroups, create_dynamic_cp_groups
 from .groups import destroy_groups
 from .layout import ParallelLayout
@@ -93,14 +95,21 @@ def verify_against_layout(ps: Any, layout: ParallelLayout) -> None:
 
 
 def initialize_model_parallel(
-    config: CPConfig, *, order: str = "tp-cp-ep-dp-pp", **megatron_kwargs: Any
+    config: CPConfig, *, order: str = "tp-cp-ep-dp-pp",
+    agreement_timeout: timedelta | None = None, **megatron_kwargs: Any
 ) -> ParallelLayout:
-    """Validate ``config``, initialize megatron's groups (incl. hierarchical CP), verify, log.
+    """Agree on ``config`` across ranks, validate it, initialize megatron's groups (incl.
+    hierarchical CP), verify, log.
 
-    ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``
-    (e.g. ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``,
+    Before anything else all ranks compare ``config``, ``order`` and ``megatron_kwargs``
+    (:func:`~.agreement.agree_on_config`, bounded by ``agreement_timeout``): a difference or a
+    missing rank is an error on every rank, not a hang. ``megatron_kwargs`` go to
+    ``megatron.core.parallel_state.initialize_model_parallel`` (e.g.
+    ``virtual_pipeline_model_parallel_size``, ``distributed_timeout_minutes``,
     ``create_gloo_process_groups``). Returns the verified layout.
     """
+    agree_on_config(config, tag="mpu", timeout=agreement_timeout, order=order,
+                    **megatron_kwargs)
     config.validate()
     world = dist.get_world_size()
     model = (
@@ -141,7 +150,7 @@ def initialize_model_parallel(
     verify_against_layout(ps, layout)
     if config.dynamic_context_parallel:
         _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
-                               megatron_kwargs)
+                               megatron_kwargs, agreement_timeout)
     if dist.get_rank() == 0:
         for line in describe_cp_groups(layout):
             logger.info(line)
@@ -149,16 +158,17 @@ def initialize_model_parallel(
 
 
 def _create_dynamic_groups(ps: Any, layout: ParallelLayout, min_size: int,
-                           megatron_kwargs: dict[str, Any]) -> None:
+                           megatron_kwargs: dict[str, Any],
+                           agreement_timeout: timedelta | None = None) -> None:
     """Dynamic CP groups into megatron's ``_HYBRID_DP_CP_GROUPS`` (created by megatron's
     ``create_group`` so that ``destroy_model_parallel`` destroys them)."""
-    from datetime import timedelta
 
     minutes = megatron_kwargs.get("distributed_timeout_minutes")
     groups = create_dynamic_cp_groups(
         layout.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
         min_size, new_group=ps.create_group,
         timeout=timedelta(minutes=minutes) if minutes else None,
+        agreement_timeout=agreement_timeout,
     )
     table = ps._HYBRID_DP_CP_GROUPS
     table.clear()

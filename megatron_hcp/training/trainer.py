@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.module import gpt_layer_spec
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import global_batch, static_cp_micro_batches, varlen_lengths, varlen_sample
 
 __all__ = ["TinyGPTSpec", "VarLen", "train_tiny_gpt"]
@@ -62,7 +63,7 @@ class TinyGPTSpec:
     dynamic_context_parallel: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     min_dynamic_context_parallel_size: int = 1
-    checkpoint_dir: str | None = None  # per-rank files <dir>/iter_<step>/rank_<r>.pt
+    checkpoint_dir: str | None = None  # <dir>/iter_<step>/rank_<r>.pt + manifest.json
     save_at_steps: tuple[int, ...] = ()  # save after these many steps
     resume_from_step: int | None = None  # load <dir>/iter_<step> and continue from there
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -287,30 +288,22 @@ class _StepData:
                 for j in range(0, len(samples), k)]
 
 
-def _checkpoint_file(spec: TinyGPTSpec, step: int) -> str:
-    import os
-
+def _save_checkpoint(spec: TinyGPTSpec, step: int, model: list[Any], optimizer: Any) -> None:
+    """Per-rank files plus a manifest written last (:mod:`.checkpoint`)."""
     if not spec.checkpoint_dir:
         raise ValueError("checkpointing needs spec.checkpoint_dir")
-    return os.path.join(spec.checkpoint_dir, f"iter_{step:07d}", f"rank_{dist.get_rank()}.pt")
-
-
-def _save_checkpoint(spec: TinyGPTSpec, step: int, model: list[Any], optimizer: Any) -> None:
-    import os
-
-    path = _checkpoint_file(spec, step)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"step": step, "model": [m.state_dict() for m in model],
-                "optimizer": optimizer.state_dict()}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a crash never leaves a half-written checkpoint
-    dist.barrier()
+    save_checkpoint(spec.checkpoint_dir, step, {
+        "step": step, "model": [m.state_dict() for m in model],
+        "optimizer": optimizer.state_dict()})
 
 
 def _load_checkpoint(spec: TinyGPTSpec, model: list[Any], optimizer: Any) -> None:
-    state = torch.load(_checkpoint_file(spec, spec.resume_from_step), weights_only=True)
+    if not spec.checkpoint_dir:
+        raise ValueError("resuming needs spec.checkpoint_dir")
+    state = load_checkpoint(spec.checkpoint_dir, spec.resume_from_step)
     if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
-        raise ValueError(f"checkpoint {spec.checkpoint_dir} step {state['step']} with "
-                         f"{len(state['model'])} model chunks does not fit this run")
+        raise CheckpointError(f"checkpoint {spec.checkpoint_dir} step {state['step']} with "
+                              f"{len(state['model'])} model chunks does not fit this run")
     for m, sd in zip(model, state["model"]):
         m.load_state_dict(sd)
     optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,44 @@
+"""THD sharding never truncates: an unpadded sequence length is refused at every entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hcp.attention.reference import (
+    CPAttentionError,
+    assemble_from_chunks,
+    get_local_chunk,
+    pad_thd,
+    thd_partition_indices,
+)
+
+CU = torch.tensor([0, 13, 43, 50])  # lengths [13, 30, 7]: none a multiple of 2*4
+X = torch.arange(50.0).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("shard", [
+    lambda: get_local_chunk(X, 4, 1, "thd", cu_seqlens_padded=CU),
+    lambda: thd_partition_indices(CU, 4, 0),
+    lambda: assemble_from_chunks([X[:12]] * 4, "thd", cu_seqlens_padded=CU),
+])
+def test_unpadded_lengths_are_refused_naming_sequence_length_and_pad_thd(shard):
+    with pytest.raises(CPAttentionError) as info:
+        shard()
+    message = str(info.value)
+    assert "sequence 0 has length 13" in message and "pad_thd" in message
+
+
+def test_labels_sharded_after_pad_thd_keep_every_token():
+    padded, cu_pad = pad_thd(X, CU, 4)
+    shards = [get_local_chunk(padded, 4, r, "thd", cu_seqlens_padded=cu_pad) for r in range(4)]
+    assert sum(s.shape[0] for s in shards) == int(cu_pad[-1])
+    assert torch.equal(assemble_from_chunks(shards, "thd", cu_seqlens_padded=cu_pad), padded)
+    kept = torch.cat(shards).flatten()
+    assert set(X.flatten().tolist()) <= set(kept.tolist())
+
+
+@pytest.mark.parametrize("cp_size, cp_rank", [(4, 4), (4, -1), (0, 0)])
+def test_cp_position_out_of_range_is_refused(cp_size, cp_rank):
+    with pytest.raises(CPAttentionError, match="cp_rank"):
+        get_local_chunk(torch.zeros(1, 16, 2), cp_size, cp_rank, "bshd")
