@@ -53,8 +53,13 @@ def _one_line(err: BaseException) -> str:
 def _check_config(args: argparse.Namespace) -> int:
     from .config import CPConfig, CPConfigError
 
+    if {"-h", "--help"} & set(args.args):
+        print("usage: megatron-hcp check-config --context-parallel-size 4 --cp-comm-type a2a+p2p "
+              "--hierarchical-context-parallel-sizes 2 2 [--flag value ...]  (megatron flag "
+              "names of CPConfig's fields; key=value is an alias)")
+        return 0
     try:
-        config = CPConfig.from_pairs(args.pairs)
+        config = CPConfig.from_args(args.args)
         advice = config.validate()
     except CPConfigError as err:
         print(err, file=sys.stderr)
@@ -103,7 +108,9 @@ def _verify_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         data_parallel_size=args.world_size // model,
-        cp_comm_type="a2a+p2p" if args.hcp else args.cp_comm_type,
+        # hierarchical sizes imply a2a+p2p only when no comm type is given; a given one is kept
+        # (and CPConfig refuses sizes without a2a+p2p, saying so)
+        cp_comm_type=args.cp_comm_type or ("a2a+p2p" if args.hcp else None),
         hierarchical_context_parallel_sizes=args.hcp or None,
     )
     try:
@@ -318,25 +325,48 @@ def _functional(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+class _Sizes(argparse.Action):
+    """``--hierarchical-context-parallel-sizes 2 2`` (megatron) or ``2,2`` / ``[2,2]``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [v for value in values for v in value] or None)
+
+
+def _parallel_flags(p: argparse.ArgumentParser, size: Callable[[str], Any], *, tp: int,
+                    cp: int) -> None:
+    """The parallel sizes of a CP setup under megatron's flag names (short aliases kept)."""
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=size, default=tp)
+    p.add_argument("--context-parallel-size", "--cp", dest="cp", type=size, default=cp)
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=size, default=1)
+    p.add_argument("--hierarchical-context-parallel-sizes", "--hcp", dest="hcp", nargs="+",
+                   action=_Sizes, default=None, metavar="SIZE",
+                   type=_typed("sizes", "--hierarchical-context-parallel-sizes"),
+                   help="the a2a and p2p level sizes: 2 2 (or 2,2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import CP_COMM_TYPES
     from .planner import command as plan_command
 
     parser = _Parser(prog="megatron-hcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     size = _typed("size")
 
-    p = sub.add_parser("check-config", help="validate a CP configuration (megatron field names)")
-    p.add_argument("pairs", nargs="*", metavar="key=value")
+    # every argument is a megatron flag or value of the CP setup, read by CPConfig.from_args
+    # (the subparser's own options use "+": "+h" for help)
+    p = sub.add_parser(
+        "check-config", prefix_chars="+", add_help=False,
+        help="validate a CP configuration: megatron flags (--context-parallel-size 4 "
+             "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 ...; "
+             "key=value is an alias)")
+    p.add_argument("+h", action="help", help="show this help message and exit")
+    p.add_argument("args", nargs="*", metavar="--flag value")
     p.set_defaults(func=_check_config)
 
     p = sub.add_parser("layout", help="print the CP / HCP rank layout")
     p.add_argument("--world-size", type=size, required=True)
-    p.add_argument("--tp", type=size, default=1)
-    p.add_argument("--cp", type=size, default=1)
-    p.add_argument("--pp", type=size, default=1)
-    p.add_argument("--ep", type=size, default=1)
-    p.add_argument("--hcp", type=_typed("?sizes", "--hcp"), default=None,
-                   help="hierarchical sizes a2a,p2p (e.g. 2,2)")
+    _parallel_flags(p, size, tp=1, cp=1)
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=size, default=1)
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_layout, check=_parallel_layout)
@@ -346,12 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world-size", type=_typed("int", minimum=1, maximum=MAX_LOCAL_RANKS),
                    default=8, help=f"local ranks (at most {MAX_LOCAL_RANKS})")
-    p.add_argument("--tp", type=size, default=2)
-    p.add_argument("--cp", type=size, default=4)
-    p.add_argument("--pp", type=size, default=1)
-    p.add_argument("--hcp", type=_typed("?sizes", "--hcp"), default=[2, 2])
-    p.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
-                   help="used when --hcp is empty")
+    _parallel_flags(p, size, tp=2, cp=4)
+    p.add_argument("--cp-comm-type", default=None, choices=list(CP_COMM_TYPES),
+                   help="default: a2a+p2p with hierarchical sizes, else megatron's p2p")
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.set_defaults(func=_verify_groups, check=_verify_kwargs)
 

@@ -27,10 +27,12 @@ from typing import Any, Literal
 __all__ = [
     "CP_COMM_TYPES",
     "CPConfig",
+    "DEFAULT_CP_COMM_TYPE",
     "CPConfigError",
     "FIELD_KINDS",
     "MAX_RANKS",
     "Violation",
+    "comm_type_or_default",
     "is_power_of_two",
     "parse_bool",
     "parse_float",
@@ -40,6 +42,12 @@ __all__ = [
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+DEFAULT_CP_COMM_TYPE = "p2p"  # megatron's default; the one place it is decided here
+
+
+def comm_type_or_default(cp_comm_type: str | None) -> str:
+    """``cp_comm_type`` as megatron reads it: None means :data:`DEFAULT_CP_COMM_TYPE`."""
+    return cp_comm_type or DEFAULT_CP_COMM_TYPE
 MIN_TE_VERSION_A2A_P2P = (1, 12)
 Backend = Literal["auto", "te", "reference"]
 
@@ -122,10 +130,16 @@ class CPConfig:
     def comm_types(self) -> list[str]:
         """The comm type of every layer (a single entry when not given per layer)."""
         if self.cp_comm_type is None:
-            return ["p2p"]
+            return [DEFAULT_CP_COMM_TYPE]
         if isinstance(self.cp_comm_type, str):
             return [self.cp_comm_type]
         return list(self.cp_comm_type)
+
+    @property
+    def comm_type(self) -> str | list[str]:
+        """``cp_comm_type`` with the default applied (a string, or the per-layer list)."""
+        types = self.comm_types
+        return types[0] if not isinstance(self.cp_comm_type, list) else types
 
     @property
     def uses_hierarchical(self) -> bool:
@@ -546,28 +560,65 @@ class CPConfig:
 
     @classmethod
     def from_pairs(cls, pairs: Sequence[str]) -> CPConfig:
-        """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``).
+        """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``): the
+        thin alias of :meth:`from_args` (``key=value`` is ``--key value``)."""
+        problems = [Violation(pair, None, "arguments are key=value",
+                              "write e.g. seq_length=4096") for pair in pairs if "=" not in pair]
+        if problems:
+            raise CPConfigError(problems)
+        return cls.from_args(pairs)
 
-        Every value is read by :func:`parse_value` with its field's kind (``FIELD_KINDS``);
-        every bad pair is reported at once in one :class:`CPConfigError`.
+    @classmethod
+    def from_args(cls, args: Sequence[str]) -> CPConfig:
+        """Build from megatron's command-line flags, the one dialect of a CP setup (recipes'
+        ``MODEL_ARGS``, the CLI): ``--context-parallel-size 4 --cp-comm-type a2a+p2p
+        --hierarchical-context-parallel-sizes 2 2 --dynamic-context-parallel``. A bare flag of a
+        boolean field is true; list fields take several values (or ``[2,2]``, ``2,2``);
+        ``key=value`` / ``--key=value`` are thin aliases. Every value is read by
+        :func:`parse_value` with its field's kind; every bad argument is reported at once.
         """
-        kwargs: dict[str, Any] = {}
         known = cls.field_names()
         problems: list[Violation] = []
-        for pair in pairs:
-            key, sep, raw = pair.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep:
-                problems.append(Violation(pair, None, "arguments are key=value",
-                                          "write e.g. seq_length=4096"))
-            elif key not in known:
-                problems.append(Violation(key, raw, "unknown parameter",
-                                          f"use one of {', '.join(known)}"))
+        given: dict[str, list[str]] = {}
+        current: str | None = None
+        for arg in args:
+            text = str(arg)
+            flag, sep, inline = text.partition("=")
+            if text.startswith("--") or (sep and not text.startswith("-")):
+                key = flag.lstrip("-").strip().replace("-", "_")
+                if key not in known:
+                    problems.append(Violation(flag, inline or None, "unknown parameter",
+                                              "use one of " + ", ".join(
+                                                  f"--{k.replace('_', '-')}" for k in known)))
+                    current = None
+                    continue
+                given[key] = [inline] if sep else []
+                current = None if sep else key
+            elif current is not None:
+                given[current].append(text)
             else:
-                try:
-                    kwargs[key] = parse_value(raw, FIELD_KINDS[key], key)
-                except CPConfigError as err:
-                    problems.extend(err.violations)
+                problems.append(Violation(text, None, "a value without a flag",
+                                          "write --flag value (e.g. --context-parallel-size 4)"))
+        kwargs: dict[str, Any] = {}
+        for key, values in given.items():
+            kind = FIELD_KINDS[key]
+            try:
+                if not values:
+                    if kind.lstrip("?") != "bool":
+                        raise CPConfigError([Violation(
+                            f"--{key.replace('_', '-')}", None, "needs a value",
+                            f"write --{key.replace('_', '-')} <value>")])
+                    kwargs[key] = True
+                elif kind.lstrip("?") in ("sizes", "strs") and len(values) > 1:
+                    kwargs[key] = parse_value(",".join(values), kind, key)
+                elif len(values) > 1:
+                    raise CPConfigError([Violation(
+                        f"--{key.replace('_', '-')}", values, "takes one value",
+                        f"write --{key.replace('_', '-')} <value>")])
+                else:
+                    kwargs[key] = parse_value(values[0], kind, key)
+            except CPConfigError as err:
+                problems.extend(err.violations)
         if problems:
             raise CPConfigError(problems)
         return cls(**kwargs)

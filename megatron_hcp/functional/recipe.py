@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from ..config import CPConfig, CPConfigError, Violation, parse_value
+from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
 from ..data import data_dir
 from ..training.trainer import TinyGPTSpec, VarLen
 
@@ -43,52 +43,43 @@ LOADER_ENV_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABL
 _LOADER_PREFIXES = ("LD_", "DYLD_")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-# flag -> (TinyGPTSpec field or None, CPConfig field or None, parse_value kind)
+# flag -> (field, parse_value kind): a CPConfig field (CP, parallel sizes and the model shape the
+# CP rules read; its kind is CPConfig's own), a TinyGPTSpec field, or None (accepted, fixed or
+# handled below). Each flag maps to one field, once.
 _INT, _FLOAT, _BOOL = "posint", "float", "bool"
-_FLAGS: dict[str, tuple[str | None, str | None, Any]] = {
-    "--num-layers": ("num_layers", "num_layers", _INT),
-    "--hidden-size": ("hidden_size", None, _INT),
-    "--num-attention-heads": ("num_attention_heads", "num_attention_heads", _INT),
-    "--num-query-groups": ("num_query_groups", "num_query_groups", _INT),
-    "--group-query-attention": (None, None, _BOOL),
-    "--seq-length": ("seq_length", "seq_length", _INT),
-    "--max-position-embeddings": (None, None, _INT),
-    "--micro-batch-size": ("micro_batch_size", None, _INT),
-    "--global-batch-size": ("global_batch_size", None, _INT),
-    "--train-iters": ("steps", None, _INT),
-    "--lr": ("lr", None, _FLOAT),
-    "--seed": ("seed", None, _INT),
-    "--vocab-size": ("vocab_size", None, _INT),
-    "--tokenizer-type": (None, None, "str"),
-    "--tensor-model-parallel-size": ("tensor_model_parallel_size",
-                                     "tensor_model_parallel_size", _INT),
-    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size",
-                                       "pipeline_model_parallel_size", _INT),
-    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", None,
-                                               _INT),
-    "--context-parallel-size": ("context_parallel_size", "context_parallel_size", _INT),
-    "--cp-comm-type": ("cp_comm_type", "cp_comm_type", "str"),
-    "--hierarchical-context-parallel-sizes": ("hierarchical_context_parallel_sizes",
-                                              "hierarchical_context_parallel_sizes", "sizes"),
-    "--dynamic-context-parallel": ("dynamic_context_parallel", "dynamic_context_parallel",
-                                   _BOOL),
-    "--hybrid-context-parallel": ("dynamic_context_parallel", "hybrid_context_parallel", _BOOL),
-    "--min-dynamic-context-parallel-size": ("min_dynamic_context_parallel_size",
-                                            "min_dynamic_context_parallel_size", _INT),
-    "--max-seqlen-per-dp-cp-rank": ("max_seqlen_per_dp_cp_rank", "max_seqlen_per_dp_cp_rank",
-                                    _INT),
-    "--calculate-per-token-loss": (None, "calculate_per_token_loss", _BOOL),
-    "--untie-embeddings-and-output-weights": (None, None, _BOOL),
-    "--position-embedding-type": (None, None, "str"),
-    "--mock-data": (None, None, _BOOL),
-    "--use-decentralized-pg": (None, None, _BOOL),
+_SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
+    "--hidden-size": ("hidden_size", _INT),
+    "--micro-batch-size": ("micro_batch_size", _INT),
+    "--global-batch-size": ("global_batch_size", _INT),
+    "--train-iters": ("steps", _INT),
+    "--lr": ("lr", _FLOAT),
+    "--seed": ("seed", _INT),
+    "--vocab-size": ("vocab_size", _INT),
+    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", _INT),
+    "--group-query-attention": (None, _BOOL),
+    "--max-position-embeddings": (None, _INT),
+    "--tokenizer-type": (None, "str"),
+    "--untie-embeddings-and-output-weights": (None, _BOOL),
+    "--position-embedding-type": (None, "str"),
+    "--mock-data": (None, _BOOL),
+    "--use-decentralized-pg": (None, _BOOL),
     # variable-length mock data (upstream: lognormal, min 128 / max 2048 / mean 512 / sigma 1.2)
-    "--mock-variable-seq-lengths": (None, None, _BOOL),
-    "--mock-min-seqlen": (None, None, _INT),
-    "--mock-max-seqlen": (None, None, _INT),
-    "--mock-mean-seqlen": (None, None, _FLOAT),
-    "--mock-seqlen-sigma": (None, None, _FLOAT),
-    "--mock-samples-per-micro-batch": (None, None, _INT),
+    "--mock-variable-seq-lengths": (None, _BOOL),
+    "--mock-min-seqlen": (None, _INT),
+    "--mock-max-seqlen": (None, _INT),
+    "--mock-mean-seqlen": (None, _FLOAT),
+    "--mock-seqlen-sigma": (None, _FLOAT),
+    "--mock-samples-per-micro-batch": (None, _INT),
+}
+_CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "seq_length",
+                     "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "cp_comm_type",
+                     "hierarchical_context_parallel_sizes", "dynamic_context_parallel",
+                     "hybrid_context_parallel", "min_dynamic_context_parallel_size",
+                     "max_seqlen_per_dp_cp_rank", "calculate_per_token_loss")
+_FLAGS: dict[str, tuple[str | None, str]] = {
+    **{f"--{name.replace('_', '-')}": (name, FIELD_KINDS[name]) for name in _CP_RECIPE_FIELDS},
+    **_SPEC_FLAGS,
 }
 _FIXED = {"--tokenizer-type": "NullTokenizer", "--position-embedding-type": "rope"}
 
@@ -102,9 +93,13 @@ class Recipe:
     env: dict[str, str]
     args: dict[str, Any]
     test_type: str
-    config: CPConfig
     spec: TinyGPTSpec
     decentralized: bool = False
+
+    @property
+    def config(self) -> CPConfig:
+        """The recipe's CP setup (held by its spec)."""
+        return self.spec.config
 
     @property
     def nproc(self) -> int:
@@ -124,15 +119,12 @@ class Recipe:
         varlen = self.spec.varlen
         if varlen is not None:  # one sample per micro-batch: enough micro-batches for VPP
             varlen = dataclasses.replace(varlen, samples_per_micro_batch=1)
-        spec = dataclasses.replace(
-            self.spec, context_parallel_size=1, cp_comm_type="p2p",
-            hierarchical_context_parallel_sizes=None, dynamic_context_parallel=False,
-            max_seqlen_per_dp_cp_rank=None, varlen=varlen)
-        return dataclasses.replace(self, name=self.name + "@cp1", config=config, spec=spec)
+        spec = dataclasses.replace(self.spec, config=config, varlen=varlen)
+        return dataclasses.replace(self, name=self.name + "@cp1", spec=spec)
 
 
 def _convert(flag: str, raw: Any, kind: str) -> Any:
-    if kind == _BOOL and raw in (None, ""):
+    if kind.lstrip("?") == _BOOL and raw in (None, ""):
         return True  # a bare switch (``--mock-data:``)
     return parse_value(raw, kind, flag)
 
@@ -199,7 +191,7 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Re
     values, problems = {}, []
     for flag, raw in args.items():
         try:
-            values[flag] = _convert(flag, raw, _FLAGS[flag][2])
+            values[flag] = _convert(flag, raw, _FLAGS[flag][1])
         except CPConfigError as err:
             problems.extend(err.violations)
     problems += [Violation(f, values[f], f"must be {want} on {PLATFORM}", f"set {f} {want}")
@@ -218,11 +210,11 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Re
     spec_kwargs: dict[str, Any] = {}
     cfg_kwargs: dict[str, Any] = {}
     for flag, value in values.items():
-        spec_field, cfg_field, _ = _FLAGS[flag]
-        if spec_field:
-            spec_kwargs[spec_field] = value
-        if cfg_field:
-            cfg_kwargs[cfg_field] = value
+        name = _FLAGS[flag][0]
+        if name in _CP_RECIPE_FIELDS:
+            cfg_kwargs[name] = value
+        elif name is not None:
+            spec_kwargs[name] = value
     if values.get("--untie-embeddings-and-output-weights") is not True:
         spec_kwargs["share_embeddings_and_output_weights"] = True
     if values.get("--mock-variable-seq-lengths"):
@@ -232,15 +224,15 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Re
             mean=values.get("--mock-mean-seqlen", 64.0),
             sigma=values.get("--mock-seqlen-sigma", 1.2),
             samples_per_micro_batch=values.get("--mock-samples-per-micro-batch", 1))
-    spec = TinyGPTSpec(**spec_kwargs)
-    model = spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size
-    cp = spec.context_parallel_size
-    cfg_kwargs["data_parallel_size"] = world // (model * cp) if world % (model * cp) == 0 else 0
+    model = (cfg_kwargs.get("tensor_model_parallel_size", 1)
+             * cfg_kwargs.get("pipeline_model_parallel_size", 1)
+             * cfg_kwargs.get("context_parallel_size", 1))
+    cfg_kwargs["data_parallel_size"] = world // model if world % model == 0 else 0
     config = CPConfig(**cfg_kwargs)
     config.validate()
+    spec = TinyGPTSpec(config=config, **spec_kwargs)
     return Recipe(name=root.name, path=root, env=env, args=args, test_type=test_type,
-                  config=config, spec=spec,
-                  decentralized=bool(values.get("--use-decentralized-pg")))
+                  spec=spec, decentralized=bool(values.get("--use-decentralized-pg")))
 
 
 def list_recipes(root: str | os.PathLike = RECIPES_DIR) -> list[str]:

@@ -8,6 +8,7 @@ runs with different parallel layouts can be compared step by step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.module import gpt_layer_spec
+from ..config import CPConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import global_batch, static_cp_micro_batches, varlen_lengths, varlen_sample
 
@@ -36,37 +38,54 @@ class VarLen:
     lengths: list[int] | None = None  # fixed lengths for every step (instead of drawing them)
 
 
+_CP_FIELDS = frozenset(CPConfig.field_names())
+# the model shape the CP rules read (CPConfig holds them) and its defaults here
+_MODEL_DEFAULTS = {"num_layers": 2, "num_attention_heads": 4, "seq_length": 64}
+
+
 @dataclass
 class TinyGPTSpec:
-    """Model, data and parallel settings of a tiny GPT run (sizes are megatron's)."""
+    """Model, data and parallel settings of a tiny GPT run (sizes are megatron's).
 
-    num_layers: int = 2
+    Every CP and parallel setting, and the model shape the CP rules read (layers, heads, KV
+    heads, sequence length), lives in ``config`` (:class:`~megatron_hcp.config.CPConfig`, the
+    one description of a CP setup) and is read through the spec by the same names
+    (``spec.context_parallel_size``). :meth:`of` takes them flat.
+    """
+
+    config: CPConfig = field(default_factory=CPConfig)
     hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None
     vocab_size: int = 128
-    seq_length: int = 64
     micro_batch_size: int = 2
     global_batch_size: int = 8
     steps: int = 3
     lr: float = 1e-3
     seed: int = 1234
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"
-    hierarchical_context_parallel_sizes: list[int] | None = None
     share_embeddings_and_output_weights: bool = False
     attention_backend: str = "reference"
     virtual_pipeline_model_parallel_size: int | None = None
     varlen: VarLen | None = None
-    dynamic_context_parallel: bool = False
-    max_seqlen_per_dp_cp_rank: int | None = None
-    min_dynamic_context_parallel_size: int = 1
     checkpoint_dir: str | None = None  # <dir>/iter_<step>/rank_<r>.pt + manifest.json
     save_at_steps: tuple[int, ...] = ()  # save after these many steps
     resume_from_step: int | None = None  # load <dir>/iter_<step> and continue from there
     extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = {k: v for k, v in _MODEL_DEFAULTS.items() if getattr(self.config, k) is None}
+        if missing:
+            self.config = dataclasses.replace(self.config, **missing)
+
+    def __getattr__(self, name: str) -> Any:
+        """CPConfig's fields, read through the spec (they are stored once, in ``config``)."""
+        if name != "config" and name in _CP_FIELDS:
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    @classmethod
+    def of(cls, **kwargs: Any) -> TinyGPTSpec:
+        """Flat keywords: CPConfig's fields go to ``config``, the others to the spec."""
+        cp = {k: kwargs.pop(k) for k in list(kwargs) if k in _CP_FIELDS}
+        return cls(config=CPConfig(**cp), **kwargs)
 
 
 def _transformer_config(spec: TinyGPTSpec):
@@ -80,7 +99,7 @@ def _transformer_config(spec: TinyGPTSpec):
         tensor_model_parallel_size=spec.tensor_model_parallel_size,
         pipeline_model_parallel_size=spec.pipeline_model_parallel_size,
         context_parallel_size=spec.context_parallel_size,
-        cp_comm_type=spec.cp_comm_type,
+        cp_comm_type=spec.config.comm_type,
         hierarchical_context_parallel_sizes=spec.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=spec.virtual_pipeline_model_parallel_size,
         variable_seq_lengths=spec.varlen is not None and spec.pipeline_model_parallel_size > 1,

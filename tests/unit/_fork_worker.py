@@ -40,7 +40,7 @@ def train_with(source: str | None, cp: int, comm: str, hcp: list[int] | None, pp
                  max_seqlen_per_dp_cp_rank=96 if dynamic else None),
         create_gloo_process_groups=False)
     try:
-        run = train_tiny_gpt(TinyGPTSpec(
+        run = train_tiny_gpt(TinyGPTSpec.of(
             num_layers=4, num_attention_heads=4, num_query_groups=2, steps=2,
             context_parallel_size=cp, pipeline_model_parallel_size=pp, cp_comm_type=comm,
             hierarchical_context_parallel_sizes=hcp,

@@ -301,7 +301,7 @@ def train(path, cp, hcp):
     # 0.16.1's unfused LM loss and ChainedOptimizer.count_zeros read the MPU TP group; the
     # decentralized path needs these patches
     apply(by_name(list(DECENTRALIZED_PATCHES)))
-    spec = TinyGPTSpec(context_parallel_size=cp, cp_comm_type="a2a+p2p" if hcp else "p2p",
+    spec = TinyGPTSpec.of(context_parallel_size=cp, cp_comm_type="a2a+p2p" if hcp else "p2p",
                        hierarchical_context_parallel_sizes=hcp, micro_batch_size=1,
                        num_query_groups=2)
     config = _config(1, cp, 1, hcp)

@@ -104,7 +104,7 @@ def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
                       pipeline_model_parallel_size=pp, data_parallel_size=WORLD // (tp * cp * pp),
                       dynamic_context_parallel=dynamic, min_dynamic_context_parallel_size=min_size,
                       max_seqlen_per_dp_cp_rank=cap if dynamic else None)
-    spec = TinyGPTSpec(
+    spec = TinyGPTSpec.of(
         num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
         tensor_model_parallel_size=tp, context_parallel_size=cp,
         pipeline_model_parallel_size=pp, global_batch_size=batch,

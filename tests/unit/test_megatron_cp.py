@@ -29,7 +29,7 @@ def train(tp, cp, pp, comm, hcp, steps=3, tied=False):
         create_gloo_process_groups=False,
     )
     try:
-        return train_tiny_gpt(TinyGPTSpec(
+        return train_tiny_gpt(TinyGPTSpec.of(
             num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
             tensor_model_parallel_size=tp, context_parallel_size=cp,
             pipeline_model_parallel_size=pp, cp_comm_type=comm,
@@ -299,7 +299,7 @@ def dynamic_group_forward(patched: bool):
         from megatron_hcp.attention.module import gpt_layer_spec
         from megatron_hcp.training.trainer import _transformer_config
 
-        spec = TinyGPTSpec(context_parallel_size=4, num_query_groups=2)
+        spec = TinyGPTSpec.of(context_parallel_size=4, num_query_groups=2)
         model = GPTModel(config=_transformer_config(spec), transformer_layer_spec=gpt_layer_spec(),
                          vocab_size=spec.vocab_size, max_sequence_length=128,
                          position_embedding_type="rope")
