@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -24,15 +25,19 @@ from .reference import context_parallel_attention, local_attention
 
 __all__ = [
     "ReferenceCPAttention",
+    "TEUnavailableError",
     "core_attention_class",
     "gpt_layer_spec",
     "have_te",
     "make_te_forward",
     "make_te_init",
     "rebind_te_cp_groups",
+    "require_te",
     "te_cp_attention_class",
+    "te_unavailable_reason",
 ]
 
+logger = logging.getLogger("megatron_hcp")
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 _FULL = {AttnMaskType.no_mask, AttnMaskType.padding}
 
@@ -139,14 +144,49 @@ class ReferenceCPAttention(MegatronModule):
         return out.reshape(*out.shape[:-2], -1)
 
 
-def have_te() -> bool:
-    """True when Transformer Engine and megatron's TE extension import."""
+class TEUnavailableError(RuntimeError):
+    """``backend="te"`` was asked for but Transformer Engine cannot be used (says why)."""
+
+
+_te_failure_logged: set[str] = set()
+
+
+def te_unavailable_reason() -> str | None:
+    """Why Transformer Engine cannot be used here (None: it can).
+
+    A broken install (the import raises, e.g. a missing CUDA library) is reported with its
+    exception; a missing one says so.
+    """
     try:
         from megatron.core.extensions import transformer_engine as te_ext
+    except Exception as err:  # a broken TE install raises anything (OSError, RuntimeError, ...)
+        return (f"importing megatron.core.extensions.transformer_engine failed: "
+                f"{type(err).__name__}: {err}")
+    if not getattr(te_ext, "HAVE_TE", False):
+        return "Transformer Engine is not installed (megatron-core reports HAVE_TE=False)"
+    return None
 
-        return bool(getattr(te_ext, "HAVE_TE", False))
-    except Exception:
-        return False
+
+def have_te() -> bool:
+    """True when Transformer Engine and megatron's TE extension import.
+
+    A broken install is not swallowed silently: the reason is logged (once) before falling
+    back to the reference backend."""
+    reason = te_unavailable_reason()
+    if reason is not None and "not installed" not in reason and reason not in _te_failure_logged:
+        _te_failure_logged.add(reason)
+        logger.warning("Transformer Engine is unusable, using the reference CP attention "
+                       "backend: %s", reason)
+    return reason is None
+
+
+def require_te() -> None:
+    """Raise :class:`TEUnavailableError` with the reason when TE cannot be used."""
+    reason = te_unavailable_reason()
+    if reason is not None:
+        raise TEUnavailableError(
+            f"backend='te' needs Transformer Engine: {reason}. Fix the installation, or use "
+            "backend='reference' (or 'auto', which falls back with a warning)")
 
 
 def _uses_dynamic_cp(packed_seq_params: Any) -> bool:
@@ -254,7 +294,10 @@ def te_cp_attention_class():
 
 def core_attention_class(backend: str = "auto"):
     """The core-attention class for ``backend`` (``auto``: TE when it imports)."""
-    if backend == "te" or (backend == "auto" and have_te()):
+    if backend == "te":
+        require_te()
+        return te_cp_attention_class()
+    if backend == "auto" and have_te():
         return te_cp_attention_class()
     if backend not in ("auto", "reference"):
         raise ValueError(f"backend={backend!r}: use auto, te or reference")
