@@ -74,12 +74,15 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
     :class:`ConfigDisagreementError` or :class:`MissingRanksError` on every rank that took
     part; uses no process group, only the default group's store.
     """
+    payload = json.dumps(dict(fields), sort_keys=True, default=repr)
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:16]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return digest  # one process cannot disagree (and cannot create groups either)
     timeout = timeout or DEFAULT_TIMEOUT
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     _calls[tag] = _calls.get(tag, 0) + 1
     prefix = f"megatron_hcp/agree/{tag}/{_calls[tag]}"
-    payload = json.dumps(dict(fields), sort_keys=True, default=repr)
     store.set(f"{prefix}/{rank}", payload)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
@@ -100,7 +103,7 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
             f"ranks disagree on the {what} before any process group was created: rank(s) "
             f"{_ranges(differing)} differ from rank 0 in\n{detail}\n"
             "Fix: pass the same configuration on every rank.")
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return digest
 
 
 def agree_on_config(config: Any, *, tag: str, timeout: timedelta | None = None,
@@ -109,7 +112,7 @@ def agree_on_config(config: Any, *, tag: str, timeout: timedelta | None = None,
     as the world size and the rank order; values that are not plain data are compared by
     type name (process-group options and the like differ by address, not by meaning)."""
     fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    fields["world_size"] = dist.get_world_size()
+    fields["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in layout.items():
         if isinstance(value, timedelta):
             value = value.total_seconds()
