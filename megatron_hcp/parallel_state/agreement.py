@@ -90,11 +90,18 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
     except (RuntimeError, TimeoutError):  # DistStoreError is a RuntimeError
         missing = [r for r in range(world) if not store.check([keys[r]])]
         if missing:
+            store.set(f"{prefix}/abandoned", json.dumps(missing))  # for ranks arriving late
             raise MissingRanksError(
                 f"rank(s) {_ranges(missing)} of {world} did not reach the {what} agreement "
                 f"({tag!r}) within {timeout.total_seconds():g} s; no process group was "
                 "created. They crashed, hang, or run different code: check their logs and "
                 "start every rank with the same program and configuration") from None
+    if store.check([f"{prefix}/abandoned"]):
+        late = json.loads(store.get(f"{prefix}/abandoned"))
+        raise MissingRanksError(
+            f"rank {rank} reached the {what} agreement ({tag!r}) after the other ranks gave up "
+            f"waiting for rank(s) {_ranges(late)}; no process group was created. Start every "
+            "rank at the same point, or raise agreement_timeout")
     tables = {r: json.loads(store.get(keys[r])) for r in range(world)}
     differing = sorted(r for r in range(world) if tables[r] != tables[0])
     if differing:
