@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -668,6 +669,8 @@ def parse_int(value: Any, name: str, *, minimum: int | None = None,
     """An integer from an int (never a bool or a float) or, with ``text``, integer digits."""
     if isinstance(value, str) and text and _INT_TEXT.fullmatch(value.strip()):
         value = int(value.strip())
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # numpy and torch integers are integers
     if not isinstance(value, int) or isinstance(value, bool):
         raise _bad(name, value, "must be an integer", f"give {name} an integer, e.g. 4")
     if minimum is not None and value < minimum:

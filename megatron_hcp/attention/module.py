@@ -18,9 +18,10 @@ from megatron.core.transformer.module import MegatronModule
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, uses_dynamic_cp
 from .reference import context_parallel_attention, local_attention
-from .te import have_te, te_attention_class
+from .te import TEUnavailableError, have_te, te_attention_class
 
-__all__ = ["ReferenceCPAttention", "core_attention_class", "gpt_layer_spec"]
+__all__ = ["ReferenceCPAttention", "TEUnavailableError", "core_attention_class",
+           "gpt_layer_spec", "have_te"]
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 _FULL = {AttnMaskType.no_mask, AttnMaskType.padding}

@@ -22,10 +22,14 @@ import torch
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
 
-__all__ = ["have_te", "make_te_forward", "make_te_init", "rebind_te_cp_groups",
-           "te_attention_class", "te_unavailable_reason"]
+__all__ = ["TEUnavailableError", "have_te", "make_te_forward", "make_te_init",
+           "rebind_te_cp_groups", "te_attention_class", "te_unavailable_reason"]
 
 logger = logging.getLogger("megatron_hcp")
+
+
+class TEUnavailableError(RuntimeError):
+    """``backend="te"`` was asked for but Transformer Engine cannot be used (says why)."""
 
 
 def te_unavailable_reason() -> str | None:
@@ -37,15 +41,15 @@ def te_unavailable_reason() -> str | None:
     import importlib.util
     import sys
 
-    if "transformer_engine" not in sys.modules and (
-            importlib.util.find_spec("transformer_engine") is None):
-        return "Transformer Engine is not installed"
     try:
         from megatron.core.extensions import transformer_engine as te_ext
-    except Exception as err:  # noqa: BLE001 - the reason is the result
+    except Exception as err:  # noqa: BLE001 - a broken TE raises anything (OSError, ...)
         return f"importing megatron's TE extension failed: {type(err).__name__}: {err}"
     if getattr(te_ext, "HAVE_TE", False):
         return None
+    if "transformer_engine" not in sys.modules and (
+            importlib.util.find_spec("transformer_engine") is None):
+        return "Transformer Engine is not installed"
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # noqa: BLE001 - the reason is the result
@@ -151,8 +155,11 @@ def te_attention_class():
     CP groups then come from :func:`resolve_cp_groups`); refused, naming the patch, before."""
     from ..patching import require_applied
 
-    if not have_te():
-        raise RuntimeError(f"backend='te' needs Transformer Engine: {te_unavailable_reason()}")
+    reason = te_unavailable_reason()
+    if reason is not None:
+        raise TEUnavailableError(
+            f"backend='te' needs Transformer Engine: {reason}. Fix the installation, or use "
+            "backend='reference' (or 'auto', which falls back with a warning)")
     require_applied(("te-attention-hcp",), "the Transformer Engine attention backend")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import is_power_of_two
+from ..config import CPConfigError, is_power_of_two, parse_int
 from .projection import Hardware, group_seconds
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
@@ -343,8 +343,14 @@ def schedule(
     ``hardware`` (optional): rank candidate plans by projected seconds (compute plus exposed
     CP ring traffic) instead of FLOPs makespan; needs ``workload.mode == "flops"``.
     """
-    lengths = [int(x) for x in lengths]
-    n, cap = int(dp_cp), int(max_seqlen_per_rank)
+    try:  # the project's one strict parser: 100.7, "200" and True are not lengths
+        lengths = [parse_int(x, f"lengths[{i}]", text=False) for i, x in enumerate(lengths)]
+        n = parse_int(dp_cp, "dp_cp", text=False)
+        cap = parse_int(max_seqlen_per_rank, "max_seqlen_per_rank", text=False)
+        min_cp_size = parse_int(min_cp_size, "min_cp_size", text=False)
+        vpp = parse_int(vpp, "vpp", text=False)
+    except CPConfigError as err:
+        raise ScheduleError(str(err.violations[0])) from None
     _check_inputs(lengths, n, cap, min_cp_size, vpp)
     model = workload or GPTWorkload()
     if hardware is not None and model.mode != "flops":

@@ -74,12 +74,15 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
     :class:`ConfigDisagreementError` or :class:`MissingRanksError` on every rank that took
     part; uses no process group, only the default group's store.
     """
+    payload = json.dumps(dict(fields), sort_keys=True, default=repr)
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:16]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return digest  # one process cannot disagree (and cannot create groups either)
     timeout = timeout or DEFAULT_TIMEOUT
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     _calls[tag] = _calls.get(tag, 0) + 1
     prefix = f"megatron_hcp/agree/{tag}/{_calls[tag]}"
-    payload = json.dumps(dict(fields), sort_keys=True, default=repr)
     store.set(f"{prefix}/{rank}", payload)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
@@ -87,11 +90,18 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
     except (RuntimeError, TimeoutError):  # DistStoreError is a RuntimeError
         missing = [r for r in range(world) if not store.check([keys[r]])]
         if missing:
+            store.set(f"{prefix}/abandoned", json.dumps(missing))  # for ranks arriving late
             raise MissingRanksError(
                 f"rank(s) {_ranges(missing)} of {world} did not reach the {what} agreement "
                 f"({tag!r}) within {timeout.total_seconds():g} s; no process group was "
                 "created. They crashed, hang, or run different code: check their logs and "
                 "start every rank with the same program and configuration") from None
+    if store.check([f"{prefix}/abandoned"]):
+        late = json.loads(store.get(f"{prefix}/abandoned"))
+        raise MissingRanksError(
+            f"rank {rank} reached the {what} agreement ({tag!r}) after the other ranks gave up "
+            f"waiting for rank(s) {_ranges(late)}; no process group was created. Start every "
+            "rank at the same point, or raise agreement_timeout")
     tables = {r: json.loads(store.get(keys[r])) for r in range(world)}
     differing = sorted(r for r in range(world) if tables[r] != tables[0])
     if differing:
@@ -100,7 +110,7 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
             f"ranks disagree on the {what} before any process group was created: rank(s) "
             f"{_ranges(differing)} differ from rank 0 in\n{detail}\n"
             "Fix: pass the same configuration on every rank.")
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return digest
 
 
 def agree_on_config(config: Any, *, tag: str, timeout: timedelta | None = None,
@@ -109,7 +119,7 @@ def agree_on_config(config: Any, *, tag: str, timeout: timedelta | None = None,
     as the world size and the rank order; values that are not plain data are compared by
     type name (process-group options and the like differ by address, not by meaning)."""
     fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    fields["world_size"] = dist.get_world_size()
+    fields["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in layout.items():
         if isinstance(value, timedelta):
             value = value.total_seconds()

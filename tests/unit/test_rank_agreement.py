@@ -46,7 +46,7 @@ def mpu_with_one_different_rank(kind: str):
 
 
 def decentralized_with_one_different_rank():
-    from megatron_hcp.bridge.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
 
     try:
         pgc = create_pg_collection(_hcp_config(dist.get_rank()), agreement_timeout=SHORT)
@@ -57,7 +57,7 @@ def decentralized_with_one_different_rank():
 
 
 def dynamic_groups_with_one_different_rank():
-    from megatron_hcp.dynamic_cp.groups import create_dynamic_cp_groups
+    from megatron_hcp.parallel_state.dynamic import create_dynamic_cp_groups
 
     min_size = 2 if dist.get_rank() == 1 else 1
     return _catch(create_dynamic_cp_groups, [[0, 1, 2, 3]], None, min_size,
@@ -69,6 +69,21 @@ def rank_3_never_arrives():
         return "absent", ""
     return _catch(agree, {"x": 1}, what="test configuration", tag="test-missing",
                   timeout=timedelta(seconds=2))
+
+
+def rank_3_arrives_late():
+    """Rank 3 calls agree only after ranks 0-2 have given up (signalled through the store)."""
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 3:
+        while store.add("test-late/gave-up", 0) < 3:
+            time.sleep(0.05)
+    result = _catch(agree, {"x": 1}, what="test configuration", tag="test-late",
+                    timeout=timedelta(seconds=1))
+    if dist.get_rank() != 3:
+        store.add("test-late/gave-up", 1)
+    return result
 
 
 def same_config_everywhere():
@@ -115,6 +130,13 @@ def test_a_missing_rank_is_named_within_the_timeout(world):
     assert results[3][0] == "absent"
     message = _same_error_everywhere(results[:3], "MissingRanksError")
     assert "rank(s) 3 of 4 did not reach the test configuration agreement" in message
+
+
+def test_a_rank_arriving_after_the_others_gave_up_does_not_go_on_alone(world):
+    results = world.run(rank_3_arrives_late, timeout_s=60)
+    _same_error_everywhere(results[:3], "MissingRanksError")
+    assert results[3][0] == "MissingRanksError"
+    assert "after the other ranks gave up waiting for rank(s) 3" in results[3][1]
 
 
 def test_equal_configurations_still_build_the_groups(world):

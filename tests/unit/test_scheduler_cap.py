@@ -50,3 +50,9 @@ def test_final_check_refuses_an_over_cap_plan():
         _verify_plan(plan, [300, 300], 1, CAP)
     with pytest.raises(ScheduleError, match="exactly once"):
         _verify_plan(Plan((MicroBatch((Group((0,), (0,)),), ()),), ()), [300, 300], 1, CAP)
+
+
+def test_schedule_api_does_not_coerce_lengths():
+    for lengths in ([100.7, 200], [100, "200"], [100, True]):
+        with pytest.raises(ScheduleError, match=r"lengths\[\d\]"):
+            schedule(lengths, 2, CAP)

@@ -142,6 +142,7 @@ CHECKS_ONLY = {
     "verify-groups": ["--world-size", "--tp", "--cp", "--pp", "--hcp", "--cp-comm-type",
                       "--order"],
     "functional run": ["--steps", "--allow-env"],
+    "functional compare": ["--steps", "--allow-env"],
     "functional update-golden": ["--allow-env"],
     "patch apply": ["--target"],
     "patch revert": ["--target"],
