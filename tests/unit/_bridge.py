@@ -52,6 +52,10 @@ def te_import_shim() -> None:
     """``transformer_engine`` for imports only: any attribute chain resolves to a placeholder."""
     if "transformer_engine" in sys.modules:
         return
+    _install_te_import_shim()
+
+
+def _install_te_import_shim() -> None:
 
     class _Meta(type):
         def __getattr__(cls, name):
@@ -108,7 +112,8 @@ def load() -> dict[str, Any]:
 
 
 def release() -> None:
-    """Undo the hook and (stand-in) remove the stand-in modules."""
+    """Undo the hook, remove the stand-in modules (py311) and the import-only TE shim (py312:
+    Bridge's modules keep what they imported; :func:`load` puts the shim back)."""
     from megatron_hcp.bridge.hook import uninstall
 
     uninstall()
@@ -116,6 +121,10 @@ def release() -> None:
         from . import _bridge_standin as standin
 
         standin.remove_standin()
+        return
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        if getattr(sys.modules[name], "__name__", "").startswith("transformer_engine"):
+            del sys.modules[name]
 
 
 def provider_class(mods: dict[str, Any]) -> type:
