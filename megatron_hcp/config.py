@@ -477,6 +477,51 @@ class CPConfig:
                 )
             )
 
+    def dynamic_levels(self, size: int) -> tuple[int, int]:
+        """(a2a, p2p) level sizes of a dynamic CP group of ``size`` ranks under dynamic HCP:
+        a2a = min(size, a) (contiguous ranks), p2p = size / a2a; (size, 1) without HCP."""
+        if not self.uses_hierarchical or not self.hierarchical_context_parallel_sizes:
+            return size, 1
+        a2a = min(size, self.a2a_size)
+        return a2a, size // a2a
+
+    def _check_dynamic_hierarchical(self, n: int, out: list[Violation],
+                                    advice: list[str]) -> None:
+        """Dynamic hierarchical CP: every dynamic group splits into an a2a level of at most
+        ``a`` contiguous ranks and a p2p ring across them."""
+        if len(self.comm_types) > 1:
+            out.append(Violation(
+                "cp_comm_type", self.cp_comm_type,
+                "dynamic CP switches every layer's group per micro-batch; a per-layer comm type "
+                "list has no per-micro-batch meaning", "give one cp_comm_type"))
+            return
+        a = self.a2a_size
+        if a == 1:
+            out.append(Violation(
+                "hierarchical_context_parallel_sizes[0]", a,
+                "an a2a level of 1 makes every dynamic group a plain ring",
+                "use cp_comm_type=p2p with dynamic CP (or an a2a size >= 2)"))
+        elif not is_power_of_two(a):
+            out.append(Violation(
+                "hierarchical_context_parallel_sizes[0]", a,
+                "with dynamic CP the a2a level size must be a power of two (dynamic groups are "
+                "aligned power-of-two blocks that the a2a level must tile)",
+                "use an a2a size of 1, 2, 4, 8, ..."))
+        elif n >= 2 and is_power_of_two(n) and a > n:
+            out.append(Violation(
+                "hierarchical_context_parallel_sizes[0]", a,
+                f"the a2a level cannot exceed DPxCP={n}", f"use an a2a size <= {n}"))
+        if not out:
+            sizes = []
+            c = max(1, self.min_dynamic_context_parallel_size)
+            while c <= n:
+                a2a, p2p = self.dynamic_levels(c)
+                sizes.append("1: no CP" if c == 1 else f"{c}: pure a2a over {a2a}"
+                             if p2p == 1 else f"{c}: a2a {a2a} x p2p {p2p}")
+                c *= 2
+            advice.append("dynamic hierarchical CP, levels per dynamic group size: "
+                          + "; ".join(sizes))
+
     @property
     def dynamic(self) -> bool:
         """Dynamic CP on (``hybrid_context_parallel`` is megatron-core 0.16's name for it)."""
@@ -507,12 +552,9 @@ class CPConfig:
                 "use_megatron_fsdp", True,
                 "dynamic CP is not supported with Megatron FSDP (upstream rule)",
                 "use DDP or the distributed optimizer"))
-        if self.uses_hierarchical:
-            out.append(Violation(
-                "cp_comm_type", self.cp_comm_type,
-                "dynamic CP switches between flat per-micro-batch groups; a2a+p2p needs fixed "
-                "hierarchical groups", "use cp_comm_type p2p, all_gather or a2a with dynamic CP"))
         n = self.dp_cp_size
+        if self.uses_hierarchical:
+            self._check_dynamic_hierarchical(n, out, advice)
         m = self.min_dynamic_context_parallel_size
         if isinstance(m, int) and not is_power_of_two(m):
             out.append(

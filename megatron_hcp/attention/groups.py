@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..config import comm_type_or_default
+
 __all__ = ["CPGroups", "SilentCPOffError", "micro_batch_cp_group", "mpu_pg_collection",
            "resolve_cp_groups", "te_cp_kwargs", "uses_dynamic_cp"]
 
@@ -102,18 +104,24 @@ def resolve_cp_groups(
     packed_seq_params: Any = None,
 ) -> CPGroups:
     """Decide the CP groups of one attention call; see the module docstring."""
-    comm = cp_comm_type or "p2p"
+    comm = comm_type_or_default(cp_comm_type)
     dynamic, dyn_group = micro_batch_cp_group(packed_seq_params)
     if dynamic:
         if dyn_group is None:
             return CPGroups(comm, None, None, 1, dynamic=True)
         size = _size(dyn_group)
-        if comm == "a2a+p2p":
+        if comm != "a2a+p2p":
+            return CPGroups(comm, dyn_group, dyn_group, size, dynamic=True)
+        # dynamic hierarchical CP: the micro-batch's [a2a, p2p] levels, or none when its group
+        # fits in the a2a level (pure a2a over the group)
+        levels = getattr(packed_seq_params, "hierarchical_cp_groups", None)
+        if levels is None:
+            return CPGroups("a2a", dyn_group, dyn_group, size, dynamic=True)
+        if len(levels) != 2 or _size(levels[0]) * _size(levels[1]) != size:
             raise SilentCPOffError(
-                "dynamic CP hands over flat per-micro-batch groups; a2a+p2p needs hierarchical "
-                "groups. Use cp_comm_type p2p, a2a or all_gather with dynamic CP"
-            )
-        return CPGroups(comm, dyn_group, dyn_group, size, dynamic=True)
+                f"packed_seq_params.hierarchical_cp_groups span "
+                f"{[_size(g) for g in levels]} ranks but the micro-batch's group has {size}")
+        return CPGroups(comm, list(levels), dyn_group, size, dynamic=True)
 
     if context_parallel_size <= 1:
         return CPGroups(comm, None, None, 1)

@@ -18,11 +18,14 @@ __all__ = ["pack_thd"]
 
 
 def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: Any = None,
-             *, dynamic: bool = False) -> MicroBatch:
+             *, dynamic: bool = False, levels: list[Any] | None = None) -> MicroBatch:
     """Pack ``samples`` (each ``[3, L]``) for CP rank ``cp_rank`` of ``cp_size``.
 
     ``dynamic`` sets ``local_cp_size``/``cp_group`` in the ``PackedSeqParams`` (the per
-    micro-batch group of dynamic CP); otherwise the model's static CP group applies.
+    micro-batch group of dynamic CP); otherwise the model's static CP group applies. ``levels``
+    (dynamic hierarchical CP) are the group's ``[a2a, p2p]`` level groups, carried as
+    ``PackedSeqParams.hierarchical_cp_groups`` (``cp_group`` stays the flat group: RoPE and MTP
+    read positions from it).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -59,6 +62,7 @@ def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: 
     if dynamic:
         params.local_cp_size = cp_size
         params.cp_group = cp_group if cp_size > 1 else None
+        params.hierarchical_cp_groups = levels if cp_size > 1 else None
     return MicroBatch(
         tokens=data[0].unsqueeze(0),
         labels=data[1].unsqueeze(0),

@@ -182,7 +182,8 @@ class DynamicCPDataPath:
             samples = [have[s] if self.is_tp_src else torch.zeros(3, lengths[s], dtype=torch.int64)
                        for s in group.samples]
             out.append(pack_thd(samples, size, self.position - group.ranks[0],
-                                self.groups.group(size), dynamic=True))
+                                self.groups.group(size), dynamic=True,
+                                levels=self.groups.levels(size)))
         if dist.get_world_size(self.tp_group) > 1:
             for mb in out:
                 payload = torch.stack([mb.tokens[0], mb.labels[0], mb.loss_mask[0].long()])

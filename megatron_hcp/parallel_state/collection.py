@@ -220,7 +220,8 @@ def create_pg_collection_and_grid(
         # destroyed by destroy_pg_collection
         attach_dynamic_cp_groups(collection, create_dynamic_cp_groups(
             layout.groups["dp_cp"], groups["dp_cp"], config.min_dynamic_context_parallel_size,
-            timeout=timeout, pg_options=pg_options, agreement_timeout=agreement_timeout))
+            timeout=timeout, pg_options=pg_options, agreement_timeout=agreement_timeout,
+            a2a_size=config.a2a_size if config.uses_hierarchical else None))
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(layout):
             logger.info(line)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import destroy_groups, group_kwargs
-from .layout import dynamic_cp_blocks
+from .layout import dynamic_cp_blocks, dynamic_hcp_levels
 
 __all__ = ["DynamicCPGroups", "attach_dynamic_cp_groups", "create_dynamic_cp_groups",
            "dynamic_cp_groups_of"]
@@ -38,6 +38,22 @@ class DynamicCPGroups:
     by_size: dict[int, Any]
     min_size: int = 1
     created: list[Any] = field(default_factory=list, repr=False)
+    # dynamic hierarchical CP: the a2a level size, this rank's a2a group (its aligned block of
+    # a2a_size ranks) and, per dynamic size above a2a_size, its p2p ring
+    a2a_size: int | None = None
+    a2a_group: Any = None
+    p2p_by_size: dict[int, Any] = field(default_factory=dict)
+
+    def levels(self, size: int) -> list[Any] | None:
+        """``[a2a_group, p2p_group]`` of this rank's dynamic group of ``size`` ranks under
+        dynamic hierarchical CP; None when the group is flat (no HCP, or ``size <= a2a``: pure
+        a2a over the group itself)."""
+        if self.a2a_size is None or size <= self.a2a_size:
+            return None
+        if size not in self.p2p_by_size:
+            raise ValueError(f"no dynamic hierarchical levels for a group of {size} ranks: "
+                             f"sizes are {sorted(self.p2p_by_size)}")
+        return [self.a2a_group, self.p2p_by_size[size]]
 
     @property
     def size(self) -> int:
@@ -63,6 +79,8 @@ class DynamicCPGroups:
         destroy_groups(self.created)
         self.created.clear()
         self.by_size.clear()
+        self.p2p_by_size.clear()
+        self.a2a_group = None
 
 
 def create_dynamic_cp_groups(
@@ -75,6 +93,7 @@ def create_dynamic_cp_groups(
     pg_options: Any = None,
     warm_up: bool = True,
     agreement_timeout: Any = None,
+    a2a_size: int | None = None,
 ) -> DynamicCPGroups:
     """Create the dynamic CP groups of every DPxCP group (collective over the whole world).
 
@@ -84,11 +103,16 @@ def create_dynamic_cp_groups(
     ``create_group`` so that megatron's destroy sees the groups). Before any group is created
     all ranks agree on the rank lists and ``min_size``
     (:func:`~megatron_hcp.parallel_state.agreement.agree`, bounded by ``agreement_timeout``).
+
+    ``a2a_size`` (dynamic hierarchical CP): every dynamic group of more than ``a2a_size`` ranks
+    also gets its levels (:func:`~.layout.dynamic_hcp_levels`): the a2a level is the aligned
+    block of ``a2a_size`` ranks (one group per rank, shared by every size), the p2p level one
+    ring per size.
     """
     from .agreement import agree
 
     agree({"all_dp_cp_ranks": [[int(r) for r in ranks] for ranks in all_dp_cp_ranks],
-           "min_dynamic_context_parallel_size": min_size},
+           "min_dynamic_context_parallel_size": min_size, "a2a_size": a2a_size},
           what="dynamic CP groups", tag="dynamic_cp", timeout=agreement_timeout)
     make = new_group or dist.new_group
     rank = dist.get_rank()
@@ -115,6 +139,10 @@ def create_dynamic_cp_groups(
                     created.append(group)
     if mine is None:
         raise ValueError(f"rank {rank} is in none of the DPxCP groups {list(all_dp_cp_ranks)}")
+    a2a_group, p2p_by_size = None, {}
+    if a2a_size is not None:
+        a2a_group, p2p_by_size = _create_levels(all_dp_cp_ranks, min_size, a2a_size, by_size,
+                                                created, make, kwargs)
     if dp_cp_group is not None and sorted(dist.get_process_group_ranks(dp_cp_group)) != sorted(
             mine):
         raise ValueError(
@@ -133,7 +161,39 @@ def create_dynamic_cp_groups(
                     f"warm-up all_reduce over the dynamic CP group of size {size} returned "
                     f"{int(probe.item())}"
                 )
-    return DynamicCPGroups(mine, by_size, min_size, created)
+        for size, group in sorted(p2p_by_size.items()):
+            probe = torch.ones(1)
+            dist.all_reduce(probe, group=group)
+            if int(probe.item()) != size // a2a_size:
+                raise RuntimeError(f"warm-up all_reduce over the p2p level of size {size} "
+                                   f"returned {int(probe.item())}")
+    return DynamicCPGroups(mine, by_size, min_size, created, a2a_size, a2a_group, p2p_by_size)
+
+
+def _create_levels(all_dp_cp_ranks, min_size, a2a_size, by_size, created, make, kwargs):
+    """This rank's a2a level group and its p2p ring per dynamic size (collective: every rank
+    creates every group in the same order)."""
+    rank = dist.get_rank()
+    a2a_group = by_size.get(a2a_size) if a2a_size >= min_size else None
+    p2p_by_size: dict[int, Any] = {}
+    for ranks in all_dp_cp_ranks:
+        ranks = [int(r) for r in ranks]
+        blocks = dynamic_cp_blocks(ranks, min_size)
+        if a2a_size < min_size:  # the a2a blocks are no dynamic size of their own
+            for block in dynamic_cp_blocks(ranks, a2a_size)[a2a_size]:
+                group = make(ranks=block, group_desc=f"DYNAMIC_HCP_A2A_{a2a_size}", **kwargs)
+                if rank in block:
+                    a2a_group = group
+                    created.append(group)
+        for size in sorted(s for s in blocks if s > a2a_size):
+            for block in blocks[size]:
+                _, rings = dynamic_hcp_levels(block, a2a_size)
+                for ring in rings:
+                    group = make(ranks=ring, group_desc=f"DYNAMIC_HCP_P2P_{size}", **kwargs)
+                    if rank in ring:
+                        p2p_by_size[size] = group
+                        created.append(group)
+    return a2a_group, p2p_by_size
 
 
 # the attribute a decentralized ProcessGroupCollection carries its dynamic groups in (megatron's

@@ -215,3 +215,18 @@ def dynamic_cp_blocks(dp_cp_ranks: Sequence[int], min_size: int = 1) -> dict[int
         blocks[size] = [list(dp_cp_ranks[i : i + size]) for i in range(0, n, size)]
         size *= 2
     return blocks
+
+
+def dynamic_hcp_levels(block: Sequence[int], a2a_size: int) -> tuple[Groups, Groups] | None:
+    """The (a2a, p2p) level groups of one dynamic CP group ``block`` under dynamic hierarchical
+    CP with a2a level ``a2a_size``: a2a = contiguous runs of ``a2a_size`` ranks, p2p = the
+    strided rings across them (as :func:`hierarchical_level_groups`). None when the block has at
+    most ``a2a_size`` ranks (the group is pure a2a)."""
+    c = len(block)
+    if not is_power_of_two(a2a_size) or not is_power_of_two(c):
+        raise ValueError(f"a dynamic group of {c} ranks with an a2a level of {a2a_size}: both "
+                         "must be powers of two")
+    if c <= a2a_size:
+        return None
+    a2a, p2p = hierarchical_level_groups(list(block), [a2a_size, c // a2a_size])
+    return a2a, p2p

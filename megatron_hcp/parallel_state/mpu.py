@@ -150,26 +150,37 @@ def initialize_model_parallel(
     verify_against_layout(ps, layout)
     if config.dynamic_context_parallel:
         _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
-                               megatron_kwargs, agreement_timeout)
+                               megatron_kwargs, agreement_timeout,
+                               config.a2a_size if config.uses_hierarchical else None)
     if dist.get_rank() == 0:
         for line in describe_cp_groups(layout):
             logger.info(line)
     return layout
 
 
+# dynamic hierarchical CP on the MPU path: (a2a size, this rank's a2a group, p2p ring per size)
+# kept in megatron's parallel_state module beside _HYBRID_DP_CP_GROUPS (set here, the thin MPU
+# layer, and cleared by destroy_model_parallel)
+_DYNAMIC_HCP = "_MEGATRON_HCP_DYNAMIC_HCP_LEVELS"
+
+
 def _create_dynamic_groups(ps: Any, layout: ParallelLayout, min_size: int,
                            megatron_kwargs: dict[str, Any],
-                           agreement_timeout: timedelta | None = None) -> None:
+                           agreement_timeout: timedelta | None = None,
+                           a2a_size: int | None = None) -> None:
     """Dynamic CP groups into megatron's ``_HYBRID_DP_CP_GROUPS`` (created by megatron's
-    ``create_group`` so that ``destroy_model_parallel`` destroys them)."""
+    ``create_group`` so that ``destroy_model_parallel`` destroys them); with ``a2a_size``
+    (dynamic hierarchical CP) each group's levels too."""
 
     minutes = megatron_kwargs.get("distributed_timeout_minutes")
     groups = create_dynamic_cp_groups(
         layout.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
         min_size, new_group=ps.create_group,
         timeout=timedelta(minutes=minutes) if minutes else None,
-        agreement_timeout=agreement_timeout,
+        agreement_timeout=agreement_timeout, a2a_size=a2a_size,
     )
+    setattr(ps, _DYNAMIC_HCP, None if a2a_size is None else (
+        a2a_size, groups.a2a_group, dict(groups.p2p_by_size)))
     table = ps._HYBRID_DP_CP_GROUPS
     table.clear()
     # every allowed size but DPxCP (megatron answers that one with its DPxCP group); size 1
@@ -191,7 +202,12 @@ def dynamic_cp_groups() -> DynamicCPGroups:
             "no dynamic CP groups: call megatron_hcp.parallel_state.initialize_model_parallel "
             "with a config that sets dynamic_context_parallel=True"
         )
-    return DynamicCPGroups(ranks, by_size, min(by_size))
+    levels = getattr(ps, _DYNAMIC_HCP, None)
+    if levels is None:
+        return DynamicCPGroups(ranks, by_size, min(by_size))
+    a2a_size, a2a_group, p2p_by_size = levels
+    return DynamicCPGroups(ranks, by_size, min(by_size), a2a_size=a2a_size,
+                           a2a_group=a2a_group, p2p_by_size=dict(p2p_by_size))
 
 
 # Module globals of megatron-core 0.16.1's parallel_state that destroy_model_parallel leaves set
@@ -199,6 +215,7 @@ def dynamic_cp_groups() -> DynamicCPGroups:
 # (is_rank_in_embedding_group, get_pipeline_model_parallel_last_rank, ...) then answer from a
 # destroyed layout, e.g. extra embedding all-reduces on some ranks: a deadlock.
 STALE_AFTER_DESTROY = (
+    _DYNAMIC_HCP,
     "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",

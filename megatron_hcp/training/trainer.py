@@ -331,7 +331,8 @@ def _load_checkpoint(spec: TinyGPTSpec, model: list[Any], optimizer: Any) -> Non
 def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
                    on_step: Any = None) -> dict[str, list[float]]:
     """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...],
-    "num_zeros": [...], "micro_batches": [...], "local_cp_sizes": [...]}``; all but the last
+    "num_zeros": [...], "micro_batches": [...], "local_cp_sizes": [...], "cp_levels": [...]}``;
+    all but the last
     (this rank's CP group size per micro-batch) are identical on every rank."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -371,7 +372,8 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
     multiple = pp_size if spec.virtual_pipeline_model_parallel_size else 1
     data = _StepData(spec, pgs, pg_collection, multiple)
     history: dict[str, list] = {"loss": [], "grad_norm": [], "num_zeros": [],
-                                "micro_batches": [], "local_cp_sizes": [], "iteration_time": []}
+                                "micro_batches": [], "local_cp_sizes": [], "cp_levels": [],
+                                "iteration_time": []}
     first = 0
     if spec.resume_from_step is not None:
         _load_checkpoint(spec, model, optimizer)
@@ -401,6 +403,10 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
         history["micro_batches"].append(len(micro))
         history["local_cp_sizes"].append([
             getattr(mb.packed_seq_params, "local_cp_size", None) for mb in micro])
+        history["cp_levels"].append([  # dynamic hierarchical CP: [a2a, p2p] level sizes
+            [g.size() for g in levels] if (levels := getattr(
+                mb.packed_seq_params, "hierarchical_cp_groups", None)) else None
+            for mb in micro])
         history["iteration_time"].append(time.perf_counter() - started)
         if step + 1 in spec.save_at_steps:
             _save_checkpoint(spec, step + 1, model, optimizer)

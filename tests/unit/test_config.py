@@ -80,8 +80,12 @@ BAD = [
      "use_megatron_fsdp", "FSDP"),
     (dict(dynamic_context_parallel=True, context_parallel_size=4, data_parallel_size=2,
           max_seqlen_per_dp_cp_rank=1024, cp_comm_type="a2a+p2p",
-          hierarchical_context_parallel_sizes=[2, 2]),
-     "cp_comm_type", "hierarchical"),
+          hierarchical_context_parallel_sizes=[1, 4]),
+     "hierarchical_context_parallel_sizes[0]", "plain ring"),
+    (dict(dynamic_context_parallel=True, context_parallel_size=6, data_parallel_size=1,
+          max_seqlen_per_dp_cp_rank=1024, cp_comm_type="a2a+p2p",
+          hierarchical_context_parallel_sizes=[3, 2]),
+     "hierarchical_context_parallel_sizes[0]", "power of two"),
     (dict(hybrid_context_parallel=True, context_parallel_size=2, data_parallel_size=2),
      "max_seqlen_per_dp_cp_rank", "positive token cap"),
     (dict(dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2),
@@ -242,3 +246,14 @@ def test_hybrid_context_parallel_is_a_deprecated_alias_of_dynamic_cp():
     assert not any("deprecated" in a for a in CPConfig(
         dynamic_context_parallel=True, context_parallel_size=2, data_parallel_size=2,
         max_seqlen_per_dp_cp_rank=512).validate())
+
+
+def test_dynamic_hierarchical_cp_is_accepted_with_its_levels_explained():
+    config = CPConfig(dynamic_context_parallel=True, context_parallel_size=4,
+                      data_parallel_size=2, max_seqlen_per_dp_cp_rank=1024,
+                      cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
+                      num_attention_heads=8, num_query_groups=2)
+    advice = config.validate()
+    assert any("1: no CP; 2: pure a2a over 2; 4: a2a 2 x p2p 2; 8: a2a 2 x p2p 4" in a
+               for a in advice), advice
+    assert [config.dynamic_levels(c) for c in (1, 2, 4, 8)] == [(1, 1), (2, 1), (2, 2), (2, 4)]

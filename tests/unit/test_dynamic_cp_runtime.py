@@ -76,6 +76,60 @@ def test_dynamic_groups_match_layout_and_leave_nothing(world, tp, cp, min_size, 
         assert r["leaked"] == 0 and r["left"] == {}, (rank, r)
 
 
+def dynamic_hcp_groups_case(cp: int, hcp: list[int], min_size: int, decentralized: bool):
+    """This rank's dynamic hierarchical levels per size vs the pure layout function."""
+    import torch.distributed as dist
+
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
+    from megatron_hcp.parallel_state.dynamic import dynamic_cp_groups_of
+    from megatron_hcp.parallel_state.layout import (
+        ParallelLayout,
+        dynamic_cp_blocks,
+        dynamic_hcp_levels,
+    )
+    from megatron_hcp.parallel_state.mpu import (
+        destroy_model_parallel,
+        dynamic_cp_groups,
+        initialize_model_parallel,
+    )
+
+    config = CPConfig(context_parallel_size=cp, data_parallel_size=WORLD // cp,
+                      cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=hcp,
+                      dynamic_context_parallel=True, min_dynamic_context_parallel_size=min_size,
+                      max_seqlen_per_dp_cp_rank=64)
+    if decentralized:
+        pgc = create_pg_collection(config)
+        groups = dynamic_cp_groups_of(pgc)
+    else:
+        initialize_model_parallel(config, create_gloo_process_groups=False)
+        groups = dynamic_cp_groups()
+    rank = dist.get_rank()
+    mine = ParallelLayout(world_size=WORLD, tp=1, cp=cp, pp=1).group_of("dp_cp", rank)
+    got, want = {}, {}
+    for size, blocks in dynamic_cp_blocks(mine, min_size).items():
+        block = next(b for b in blocks if rank in b)
+        levels = dynamic_hcp_levels(block, hcp[0])
+        want[size] = None if levels is None else [
+            next(g for g in level if rank in g) for level in levels]
+        have = groups.levels(size)
+        got[size] = None if have is None else [dist.get_process_group_ranks(g) for g in have]
+    if decentralized:
+        destroy_pg_collection(pgc)
+    else:
+        destroy_model_parallel()
+    return got, want
+
+
+@pytest.mark.parametrize("cp, hcp, min_size, decentralized", [
+    (4, [2, 2], 1, False), (8, [4, 2], 2, True), (4, [2, 2], 4, False)])
+def test_dynamic_hierarchical_levels_match_the_layout(world, cp, hcp, min_size, decentralized):
+    for rank, (got, want) in enumerate(world.run(dynamic_hcp_groups_case, cp, hcp, min_size,
+                                                 decentralized)):
+        assert got == want, (rank, got, want)
+        assert any(v is not None for v in want.values())
+
+
 # ---------------------------------------------------------------- training
 VARLEN = dict(min_len=8, max_len=160, mean=40, sigma=1.0, samples_per_micro_batch=2)
 
@@ -83,7 +137,7 @@ VARLEN = dict(min_len=8, max_len=160, mean=40, sigma=1.0, samples_per_micro_batc
 def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
           decentralized: bool = False, lengths: list[int] | None = None, cap: int = 96,
           batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True,
-          extra_config: dict | None = None):
+          extra_config: dict | None = None, hcp: list[int] | None = None):
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.collection import create_pg_collection, destroy_pg_collection
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
@@ -103,8 +157,11 @@ def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
     config = CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
                       pipeline_model_parallel_size=pp, data_parallel_size=WORLD // (tp * cp * pp),
                       dynamic_context_parallel=dynamic, min_dynamic_context_parallel_size=min_size,
-                      max_seqlen_per_dp_cp_rank=cap if dynamic else None)
+                      max_seqlen_per_dp_cp_rank=cap if dynamic else None,
+                      cp_comm_type="a2a+p2p" if hcp else None,
+                      hierarchical_context_parallel_sizes=hcp)
     spec = TinyGPTSpec.of(
+        cp_comm_type="a2a+p2p" if hcp else None, hierarchical_context_parallel_sizes=hcp,
         num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
         tensor_model_parallel_size=tp, context_parallel_size=cp,
         pipeline_model_parallel_size=pp, global_batch_size=batch,
@@ -165,6 +222,27 @@ def test_dynamic_cp_trains_like_static_cp_and_no_cp(world, no_cp, tp, cp, pp, vp
     assert len(sizes) > 1, sizes
     if vpp is None and not decentralized:
         assert_same(world.run(train, tp, cp, pp, False), no_cp)  # static CP, same data
+
+
+@pytest.mark.parametrize("tp, cp, pp, hcp, decentralized", [
+    (1, 4, 1, [2, 2], False),  # DP2 x CP4: dynamic groups up to 8 = a2a 2 x p2p 4
+    (1, 8, 1, [4, 2], True),   # decentralized collection, a2a level 4
+    (2, 4, 1, [2, 2], False),  # TP2 x DPxCP 4
+    (1, 2, 2, [2, 1], False),  # PP2 x DPxCP 4
+])
+def test_dynamic_hierarchical_cp_trains_like_no_cp(world, tp, cp, pp, hcp, decentralized):
+    """Each micro-batch runs on its own levels: a2a inside min(c, a) contiguous ranks, a ring
+    across them; groups of at most ``a`` ranks are pure a2a."""
+    lengths = [200, 40, 44, 36, 30, 50, 20, 24]  # 200 tokens need the whole DPxCP group
+    runs = world.run(train, tp, cp, pp, True, decentralized=decentralized, hcp=hcp,
+                     lengths=lengths, cap=48 if tp * pp == 1 else 64)
+    assert_same(runs, world.run(train, 1, 1, 1, False, lengths=lengths)[0])
+    used = {(s, tuple(lv) if lv else None) for run in runs
+            for step_s, step_l in zip(run["local_cp_sizes"], run["cp_levels"])
+            for s, lv in zip(step_s, step_l)}
+    a = hcp[0]
+    assert any(lv == (a, s // a) for s, lv in used if s and s > a), used  # hierarchical
+    assert all(lv is None for s, lv in used if not s or s <= a), used  # flat at most a
 
 
 def test_vpp_when_every_micro_batch_is_in_warm_up(world):
