@@ -147,13 +147,23 @@ def resolution_cases():
     out["dynamic"] = (g.group is mine, g.size, g.dynamic)
     g = resolve_cp_groups(4, "p2p", pgc, PackedSeqParams(local_cp_size=1))
     out["dynamic_off"] = (g.enabled, g.dynamic)
+    # dynamic hierarchical CP: a group that fits the a2a level is pure a2a; a larger one brings
+    # its [a2a, p2p] levels
+    g = resolve_cp_groups(4, "a2a+p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=2))
+    out["dynamic_a2a"] = (g.comm_type, g.group is mine, g.size)
+    params = PackedSeqParams(cp_group=full, local_cp_size=4)
+    params.hierarchical_cp_groups = [mine, other]
+    g = resolve_cp_groups(4, "a2a+p2p", pgc, params)
+    out["dynamic_hcp"] = (g.comm_type, g.group == [mine, other], g.flat_group is full, g.size)
+    bad_levels = PackedSeqParams(cp_group=mine, local_cp_size=2)
+    bad_levels.hierarchical_cp_groups = [mine, other]
     errors = []
     for args in [(4, "p2p", SimpleNamespace(cp=None)),
                  (4, "p2p", SimpleNamespace(cp=mine)),
                  (4, "a2a+p2p", SimpleNamespace(cp=full, hcp=None)),
                  (4, "p2p", pgc, PackedSeqParams(local_cp_size=2)),
                  (4, "p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=4)),
-                 (4, "a2a+p2p", pgc, PackedSeqParams(cp_group=mine, local_cp_size=2))]:
+                 (4, "a2a+p2p", pgc, bad_levels)]:
         try:
             resolve_cp_groups(*args)
             errors.append(None)
@@ -170,9 +180,11 @@ def test_cp_group_resolution(world):
     assert result["flat"] == (True, 4)
     assert result["dynamic"] == (True, 2, True)
     assert result["dynamic_off"] == (False, True)
+    assert result["dynamic_a2a"] == ("a2a", True, 2)
+    assert result["dynamic_hcp"] == ("a2a+p2p", True, True, 4)
     fragments = ["pg_collection.cp is missing", "has 2 ranks but context_parallel_size=4",
                  "pg_collection.hcp is None", "cp_group is None", "its cp_group has 2 ranks",
-                 "a2a+p2p needs hierarchical groups"]
+                 "hierarchical_cp_groups span [2, 2] ranks but the micro-batch's group has 2"]
     for fragment, message in zip(fragments, result["errors"]):
         assert message is not None and fragment in message, (fragment, message)
 
