@@ -290,19 +290,21 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
             raise UsageError(_one_line(err)) from None
         except CPConfigError as err:
             raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
-    args.launch = _launch(args, max(r.nproc for r in recipes))
+    args.launch = _launch(args, recipes)
     return recipes
 
 
-def _launch(args: argparse.Namespace, nproc: int) -> Any:
-    """The validated node layout and platform of ``functional run/compare/update-golden``."""
+def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
+    """The node layout and platform of ``functional run/compare/update-golden``, validated for
+    every named recipe."""
     from .functional.launch import Launch, LaunchError, default_platform, require_runnable
 
     launch = Launch(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, platform=args.platform or default_platform())
     try:
         require_runnable(launch.platform)
-        launch.validate(nproc)
+        for recipe in recipes:
+            launch.validate(recipe.nproc)
     except LaunchError as err:
         raise UsageError(str(err)) from None
     return launch

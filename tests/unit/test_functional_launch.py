@@ -105,3 +105,10 @@ def test_update_golden_writes_the_platforms_own_file(tmp_path, monkeypatch):
     assert "node 0 writes" in lines[0] and not (tmp_path / "golden_values_dev_cpu_gloo.json"
                                                 ).exists()
     assert seen[-1] is other
+
+
+def test_compare_checks_the_node_count_against_every_recipe(capsys):
+    # 8 nodes divide the 8-rank recipes but not the 4-rank ones: refused before any rank
+    argv = ["functional", "compare", "--nnodes", "8", "--master-addr", "h", "--master-port", "1"]
+    assert main(argv) == 2
+    assert "--nnodes 8: must divide the recipe's 4 ranks" in capsys.readouterr().err
