@@ -290,7 +290,24 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
             raise UsageError(_one_line(err)) from None
         except CPConfigError as err:
             raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
+    args.launch = _launch(args, recipes)
     return recipes
+
+
+def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
+    """The node layout and platform of ``functional run/compare/update-golden``, validated for
+    every named recipe."""
+    from .functional.launch import Launch, LaunchError, default_platform, require_runnable
+
+    launch = Launch(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                    master_port=args.master_port, platform=args.platform or default_platform())
+    try:
+        require_runnable(launch.platform)
+        for recipe in recipes:
+            launch.validate(recipe.nproc)
+    except LaunchError as err:
+        raise UsageError(str(err)) from None
+    return launch
 
 
 def _functional(args: argparse.Namespace) -> int:
@@ -306,16 +323,20 @@ def _functional(args: argparse.Namespace) -> int:
     try:
         if args.functional_command == "update-golden":
             for recipe in recipes:
-                for line in harness.update_golden(recipe):
+                for line in harness.update_golden(recipe, launch=args.launch):
                     print(line)
             return 0
         results = []
         for recipe in recipes:
             print(f"=== {recipe.name}", flush=True)
             result = harness.check_recipe(recipe, steps=args.steps,
-                                          cp_invariance=not args.no_cp1)
+                                          cp_invariance=not args.no_cp1, launch=args.launch)
             for line in result.lines:
                 print(f"  {line}")
+            if args.plot and args.launch.checks_results:
+                from .functional.plot import plot_result
+
+                print(f"  plot: {plot_result(result, args.plot)}")
             results.append(result)
     except (harness.RecipeRunError, GoldenError) as err:
         print(str(err), file=sys.stderr)
@@ -323,6 +344,22 @@ def _functional(args: argparse.Namespace) -> int:
     print()
     print(harness.summary_table(results))
     return 0 if all(r.passed for r in results) else 1
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun's node flags and the platform (golden file and backend)."""
+    from .config import MAX_RANKS
+    from .functional.launch import PLATFORMS
+
+    p.add_argument("--nnodes", type=_typed("int", minimum=1, maximum=MAX_RANKS), default=1)
+    p.add_argument("--node-rank", type=_typed("int", minimum=0, maximum=MAX_RANKS), default=0)
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address (default 127.0.0.1: one node)")
+    p.add_argument("--master-port", type=_typed("int", minimum=1, maximum=65535), default=None,
+                   help="rendezvous port (default: a free port; required with --nnodes > 1)")
+    p.add_argument("--platform", choices=list(PLATFORMS), default=None,
+                   help="golden file golden_values_dev_<platform>.json and backend (default: "
+                        "the detected one where the trainer runs on it, else cpu_gloo)")
 
 
 class _Sizes(argparse.Action):
@@ -438,11 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=_typed("int", minimum=1, maximum=MAX_STEPS),
                        default=None, help="train this many steps")
         p.add_argument("--no-cp1", action="store_true", help="skip the CP=1 invariance run")
+        p.add_argument("--plot", default=None, metavar="DIR",
+                       help="write DIR/<recipe>.png: lm loss of the run, golden values, CP=1 "
+                            "run and the resume point")
         p.add_argument("--allow-env", **allow_env)
+        _launch_arguments(p)
         p.set_defaults(func=_functional, check=_recipes)
     p = fn_sub.add_parser("update-golden", help="regenerate golden values; say what changed")
     p.add_argument("names", nargs="+")
     p.add_argument("--allow-env", **allow_env)
+    _launch_arguments(p)
     p.set_defaults(func=_functional, check=_recipes)
     return parser
 

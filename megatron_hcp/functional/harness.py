@@ -1,8 +1,9 @@
 """Run recipes with torchrun on CPU/gloo, compare with golden values and with CP=1.
 
-``run_recipe`` launches ``torch.distributed.run`` (rendezvous on 127.0.0.1, free port chosen by
-the launcher) with :mod:`megatron_hcp.functional.worker`, streams the per-step progress lines
-and returns the metrics rank 0 wrote. ``check_recipe`` runs everything a recipe's CI job checks.
+``run_recipe`` launches ``torch.distributed.run`` (by default one node, rendezvous on
+127.0.0.1, free port chosen by the launcher; :class:`~.launch.Launch` for several nodes) with
+:mod:`megatron_hcp.functional.worker`, streams the per-step progress lines and returns the
+metrics rank 0 wrote. ``check_recipe`` runs everything a recipe's CI job checks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .golden import Comparison, compare, load_golden, replace_golden
+from .launch import Launch
 from .recipe import RECIPES_DIR, Recipe, load_recipe
 
 __all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "max_rel_deviation", "recipe_dir",
@@ -45,22 +47,23 @@ def recipe_dir(name_or_path: str | os.PathLike) -> Path:
 
 
 def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
-               extra: list[str] | None = None, echo: Callable[[str], None] | None = print
-               ) -> dict[str, dict[int, float]]:
-    """Train ``recipe`` on ``recipe.nproc`` local ranks; return rank 0's per-step metrics."""
+               extra: list[str] | None = None, echo: Callable[[str], None] | None = print,
+               launch: Launch | None = None) -> dict[str, dict[int, float]]:
+    """Train ``recipe`` on ``recipe.nproc`` ranks; return rank 0's per-step metrics (``{}`` on
+    a node other than node 0, which has no rank 0)."""
+    launch = launch or Launch()
     with tempfile.TemporaryDirectory(prefix="megatron-hcp-") as tmp:
         out = Path(tmp) / "metrics.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc-per-node={recipe.nproc}", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=127.0.0.1:0", "-m", "megatron_hcp.functional.worker",
-               str(recipe.path), "--out", str(out)]
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               *launch.torchrun_args(recipe.nproc), "-m", "megatron_hcp.functional.worker",
+               str(recipe.path), "--out", str(out), "--platform", launch.platform]
         if steps:
             cmd += ["--steps", str(steps)]
         if cp1:
             cmd.append("--cp1")
         cmd += extra or []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "MASTER_ADDR": "127.0.0.1", **recipe.env}
+               "MASTER_ADDR": launch.master_addr, **recipe.env}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         log: list[str] = []
@@ -72,6 +75,8 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
                 if echo is not None and line.startswith("[") and "] step " in line:
                     echo(line.rstrip())
             code = proc.wait()
+        if code == 0 and not launch.checks_results:
+            return {}
         if code != 0 or not out.is_file():
             errors = [line for line in log if re.search(r"\w+(Error|Exception): ", line)]
             tail = "".join(errors[:3]) + "".join(log[-40:])
@@ -107,19 +112,26 @@ class RecipeResult:
     cp1_max_rel: float | None = None
     resume_max_rel: float | None = None
     lines: list[str] = field(default_factory=list)
+    loss: dict[int, float] = field(default_factory=dict)  # the curves, for plots
+    golden_loss: dict[int, float] | None = None
+    cp1_loss: dict[int, float] | None = None
+    resumed_loss: dict[int, float] | None = None
+    resume_step: int | None = None
 
 
-def _run_with_resume(recipe: Recipe, steps: int, echo) -> tuple[dict, float]:
-    """Uninterrupted run saving at the midpoint, then a run resumed from it."""
+def _run_with_resume(recipe: Recipe, steps: int, echo, launch: Launch | None = None
+                     ) -> tuple[dict, dict, int]:
+    """Uninterrupted run saving at the midpoint, then a run resumed from it: both runs' metrics
+    and the resume step."""
     half = max(1, steps // 2)
     with tempfile.TemporaryDirectory(prefix="megatron-hcp-ckpt-") as ckpt:
-        full = run_recipe(recipe, steps=steps, echo=echo,
+        full = run_recipe(recipe, steps=steps, echo=echo, launch=launch,
                           extra=["--checkpoint-dir", ckpt, "--save-at", str(half)])
         if echo:
             echo(f"[{recipe.name}] resuming from the checkpoint of step {half}")
-        resumed = run_recipe(recipe, steps=steps, echo=echo,
+        resumed = run_recipe(recipe, steps=steps, echo=echo, launch=launch,
                              extra=["--checkpoint-dir", ckpt, "--resume-from", str(half)])
-    return full, max_rel_deviation(resumed["lm loss"], full["lm loss"], range(half + 1, steps + 1))
+    return full, resumed, half
 
 
 def _recipe(recipe: Recipe | str | os.PathLike) -> Recipe:
@@ -128,32 +140,43 @@ def _recipe(recipe: Recipe | str | os.PathLike) -> Recipe:
 
 def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invariance: bool = True,
                  echo: Callable[[str], None] | None = print,
-                 cp1_cache: dict | None = None) -> RecipeResult:
+                 cp1_cache: dict | None = None, launch: Launch | None = None) -> RecipeResult:
     """Run a recipe, compare with golden values, with CP=1 and (ckpt-resume) after resuming.
 
     ``cp1_cache`` (optional, caller-owned) reuses the CP=1 run of recipes whose CP=1 form is
-    the same model, data and layout (e.g. the p2p / all_gather / a2a family)."""
+    the same model, data and layout (e.g. the p2p / all_gather / a2a family). ``launch``: nodes
+    and platform (golden file ``golden_values_dev_<platform>.json``); on a node other than 0
+    the runs take part and node 0 checks."""
     recipe = _recipe(recipe)
+    launch = launch or Launch()
     n = steps or recipe.spec.steps
-    golden_file = recipe.golden_path()
+    golden_file = recipe.golden_path(platform=launch.platform)
     golden = load_golden(golden_file) if golden_file.is_file() else None  # before training
     result = RecipeResult(recipe.name, n, True)
+    if not launch.checks_results:
+        return _take_part(recipe, n, cp_invariance, echo, launch)
     if recipe.test_type == "ckpt-resume":
-        metrics, result.resume_max_rel = _run_with_resume(recipe, n, echo)
+        metrics, resumed, half = _run_with_resume(recipe, n, echo, launch)
+        result.resume_step = half
+        result.resumed_loss = {s: v for s, v in resumed["lm loss"].items() if s > half}
+        result.resume_max_rel = max_rel_deviation(resumed["lm loss"], metrics["lm loss"],
+                                                  range(half + 1, n + 1))
         good = result.resume_max_rel <= RESUME_RTOL
         result.passed &= good
         result.lines.append(f"ckpt-resume: {'PASS' if good else 'FAIL'} losses after resuming "
                             f"deviate by {result.resume_max_rel:.3e} (limit {RESUME_RTOL})")
     else:
-        metrics = run_recipe(recipe, steps=n, echo=echo)
+        metrics = run_recipe(recipe, steps=n, echo=echo, launch=launch)
+    result.loss = dict(metrics["lm loss"])
     if golden is not None:
+        result.golden_loss = {int(k): float(v) for k, v in golden["lm loss"]["values"].items()}
         result.golden = compare(metrics, golden)
         result.passed &= result.golden.passed
         result.lines += result.golden.lines
     else:
         result.passed = False
         result.lines.append(f"no golden values at {golden_file}: run `megatron-hcp functional "
-                            f"update-golden {recipe.name}`")
+                            f"update-golden {recipe.name} --platform {launch.platform}`")
     cp = recipe.config.context_parallel_size
     if cp_invariance and cp > 1:
         flat = recipe.with_cp1()
@@ -162,9 +185,10 @@ def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invarianc
         if cp1_cache is not None and key in cp1_cache:
             base = cp1_cache[key]
         else:
-            base = run_recipe(recipe, steps=n, cp1=True, echo=echo)
+            base = run_recipe(recipe, steps=n, cp1=True, echo=echo, launch=launch)
             if cp1_cache is not None:
                 cp1_cache[key] = base
+        result.cp1_loss = dict(base["lm loss"])
         result.cp1_max_rel = max_rel_deviation(metrics["lm loss"], base["lm loss"],
                                                range(1, n + 1))
         good = result.cp1_max_rel <= CP1_RTOL
@@ -175,15 +199,33 @@ def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invarianc
     return result
 
 
-def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = print
-                  ) -> list[str]:
-    """Regenerate a recipe's golden values; return lines saying what changed per step.
+def _take_part(recipe: Recipe, n: int, cp_invariance: bool, echo, launch: Launch
+               ) -> RecipeResult:
+    """A node other than node 0: start the same runs in the same order, check nothing."""
+    if recipe.test_type == "ckpt-resume":
+        _run_with_resume(recipe, n, echo, launch)
+    else:
+        run_recipe(recipe, steps=n, echo=echo, launch=launch)
+    if cp_invariance and recipe.config.context_parallel_size > 1:
+        run_recipe(recipe, steps=n, cp1=True, echo=echo, launch=launch)
+    return RecipeResult(recipe.name, n, True, lines=[
+        f"node {launch.node_rank} of {launch.nnodes}: ranks ran; node 0 checks the results"])
+
+
+def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = print,
+                  launch: Launch | None = None) -> list[str]:
+    """Regenerate the platform's golden values (``golden_values_dev_<platform>.json``); return
+    lines saying what changed per step.
 
     A failed run raises :class:`RecipeRunError`; a diverged (non-finite) or short run is
     refused by :func:`~.golden.replace_golden`; either way the golden file is untouched."""
     recipe = _recipe(recipe)
-    metrics = run_recipe(recipe, echo=echo)
-    return replace_golden(recipe.golden_path(), metrics, recipe.spec.steps, recipe.name)
+    launch = launch or Launch()
+    metrics = run_recipe(recipe, echo=echo, launch=launch)
+    if not launch.checks_results:
+        return [f"{recipe.name}: node {launch.node_rank} ran; node 0 writes the golden values"]
+    return replace_golden(recipe.golden_path(platform=launch.platform), metrics,
+                          recipe.spec.steps, recipe.name)
 
 
 def summary_table(results: list[RecipeResult]) -> str:

@@ -1,7 +1,9 @@
 """One rank of a functional recipe run (started by torchrun; see ``harness.run_recipe``).
 
 ``python -m megatron_hcp.functional.worker RECIPE_DIR --out FILE [--steps N] [--cp1]
-[--checkpoint-dir D --save-at K | --resume-from K]``: rank 0 writes the metrics as JSON.
+[--checkpoint-dir D --save-at K | --resume-from K] [--platform cpu_gloo]``: rank 0 writes
+the metrics as JSON. Only ``cpu_gloo`` (gloo) is supported: the trainer keeps model and batches
+on the CPU, so NCCL could not carry its tensors (``gpu_nccl`` is refused, naming this).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--save-at", type=int, action="append", default=[])
     parser.add_argument("--resume-from", type=int)
+    parser.add_argument("--platform", default="cpu_gloo")
     opts = parser.parse_args(argv)
 
     import dataclasses
@@ -58,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(
         recipe.spec, steps=opts.steps or recipe.spec.steps, checkpoint_dir=opts.checkpoint_dir,
         save_at_steps=tuple(opts.save_at), resume_from_step=opts.resume_from)
-    dist.init_process_group("gloo")
+    from .launch import BACKENDS, require_runnable
+
+    require_runnable(opts.platform)
+    dist.init_process_group(BACKENDS[opts.platform])
     apply_cpu_runtime()
     apply_dynamic_cp()
     rank = dist.get_rank()

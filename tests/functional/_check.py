@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_hcp.functional.harness import check_recipe
+from megatron_hcp.functional.plot import plot_result
 
 # CP=1 runs shared by the recipes of one test module whose CP=1 form is identical
 CP1_RUNS: dict = {}
 
 
-def assert_recipe_passes(name: str) -> None:
+def assert_recipe_passes(name: str, plot_dir: Path | None = None) -> None:
+    """Run and check ``name``; with ``plot_dir`` also write its loss plot and check the PNG."""
     result = check_recipe(name, echo=None, cp1_cache=CP1_RUNS)
     report = "\n".join(result.lines)
     assert result.passed, f"{name}:\n{report}"
     assert result.golden is not None and result.golden.steps == result.steps, report
+    if plot_dir is not None:
+        assert result.golden_loss and result.cp1_loss, "plot curves not kept"
+        path = plot_result(result, plot_dir)
+        assert path == plot_dir / f"{name}.png"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000

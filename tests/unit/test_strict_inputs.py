@@ -138,12 +138,13 @@ RUNS = {
                  "--link-latency-us", "--tflops", "--lengths"],
     "patch check": ["--target"],
 }
+LAUNCH = ["--nnodes", "--node-rank", "--master-addr", "--master-port", "--platform"]
 CHECKS_ONLY = {
     "verify-groups": ["--world-size", "--tp", "--cp", "--pp", "--hcp", "--cp-comm-type",
                       "--order"],
-    "functional run": ["--steps", "--allow-env"],
-    "functional compare": ["--steps", "--allow-env"],
-    "functional update-golden": ["--allow-env"],
+    "functional run": ["--steps", "--allow-env", *LAUNCH, "--plot"],
+    "functional compare": ["--steps", "--allow-env", *LAUNCH, "--plot"],
+    "functional update-golden": ["--allow-env", *LAUNCH],
     "patch apply": ["--target"],
     "patch revert": ["--target"],
 }

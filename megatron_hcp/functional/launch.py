@@ -1,0 +1,106 @@
+"""How ``functional run`` starts the ranks: torchrun's node flags and the platform.
+
+Defaults keep everything on one machine: one node, rendezvous on 127.0.0.1, a free port
+chosen by torchrun. Several nodes use torchrun's static rendezvous (``--nnodes``,
+``--node-rank``, ``--master-addr``, ``--master-port``); every node runs the same command, and
+node 0 (which holds rank 0) checks the results.
+
+The platform names the golden file (``golden_values_dev_<platform>.json``) and the backend:
+``cpu_gloo`` (gloo, CPU) or ``gpu_nccl`` (NCCL, CUDA). Only ``cpu_gloo`` has run here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BACKENDS", "Launch", "LaunchError", "PLATFORMS", "RUNNABLE", "default_platform",
+           "detect_platform",
+           "require_runnable"]
+
+BACKENDS = {"cpu_gloo": "gloo", "gpu_nccl": "nccl"}
+PLATFORMS = tuple(BACKENDS)
+# platforms the tiny-GPT trainer can run on: it keeps model and batches on the CPU
+RUNNABLE = ("cpu_gloo",)
+
+
+class LaunchError(ValueError):
+    """Launch settings that cannot work (one line: parameter, value, rule, fix)."""
+
+
+def detect_platform() -> str:
+    """``gpu_nccl`` when CUDA devices and NCCL are available, else ``cpu_gloo``."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "gpu_nccl"
+    return "cpu_gloo"
+
+
+def default_platform() -> str:
+    """The detected platform when the trainer can run on it, else ``cpu_gloo`` (gloo also runs
+    on GPU machines; ``--platform gpu_nccl`` is refused with the reason)."""
+    detected = detect_platform()
+    return detected if detected in RUNNABLE else "cpu_gloo"
+
+
+def require_runnable(platform: str) -> None:
+    """Refuse, in one line, a platform the trainer cannot run on (before any rank starts)."""
+    if platform not in BACKENDS:
+        raise LaunchError(f"--platform {platform}: must be one of {', '.join(PLATFORMS)}; "
+                          "pass one of them")
+    if platform not in RUNNABLE:
+        raise LaunchError(f"--platform {platform}: the tiny-GPT trainer keeps its model and "
+                          "batches on the CPU (no CUDA device path yet), so NCCL cannot carry "
+                          "its tensors; pass --platform cpu_gloo (gloo runs on GPU machines too)")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Node layout and rendezvous of one recipe launch (``master_port=None``: a free port)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    platform: str = "cpu_gloo"
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.platform]
+
+    @property
+    def checks_results(self) -> bool:
+        """Only the node holding rank 0 gets the metrics."""
+        return self.node_rank == 0
+
+    def validate(self, nproc: int) -> None:
+        """Raise :class:`LaunchError` for settings torchrun would refuse or hang on."""
+        if self.platform not in BACKENDS:
+            raise LaunchError(f"--platform {self.platform}: must be one of "
+                              f"{', '.join(PLATFORMS)}; pass one of them")
+        if self.nnodes < 1 or nproc % self.nnodes:
+            raise LaunchError(f"--nnodes {self.nnodes}: must divide the recipe's {nproc} ranks; "
+                              f"use a divisor of {nproc}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank}: must be in 0..{self.nnodes - 1} "
+                              f"(--nnodes {self.nnodes}); give this node's index")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise LaunchError(f"--master-port {self.master_port}: must be in 1..65535; pick a "
+                              "free port on the master node")
+        if self.nnodes > 1 and self.master_port is None:
+            raise LaunchError(f"--master-port: required with --nnodes {self.nnodes} (every node "
+                              "must meet on the same port); pass e.g. --master-port 29500")
+        if self.nnodes > 1 and self.master_addr in ("127.0.0.1", "localhost"):
+            raise LaunchError(f"--master-addr {self.master_addr}: with --nnodes {self.nnodes} "
+                              "the other nodes cannot reach a loopback address; pass node 0's "
+                              "address")
+
+    def torchrun_args(self, nproc: int) -> list[str]:
+        """torchrun's flags for ``nproc`` ranks in all (validated first)."""
+        self.validate(nproc)
+        args = [f"--nnodes={self.nnodes}", f"--nproc-per-node={nproc // self.nnodes}"]
+        if self.nnodes == 1 and self.master_port is None:
+            return args + ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.master_addr}:0"]
+        return args + [f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
+                       f"--master-port={self.master_port}"]
