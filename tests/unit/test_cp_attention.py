@@ -47,8 +47,10 @@ def cp_groups(cp: int, hcp: tuple[int, int] | None):
     return _GROUPS[key]
 
 
-def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
-    """Global q, k, v (and thd metadata) identical on every rank of a CP group."""
+def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
+    """Global q, k, v (and thd metadata) identical on every rank of a CP group; ``dv`` is v's
+    head dim (MLA), ``d`` by default."""
+    dv = d if dv is None else dv
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     meta = {}
@@ -60,14 +62,13 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
         cu_pad = cu_pad + torch.cat([torch.zeros(1, dtype=cu_pad.dtype),
                                      extra.cumsum(0).to(cu_pad.dtype)])
         t = int(cu_pad[-1])
-        shapes = [(t, hq, d), (t, hkv, d), (t, hkv, d)]
+        shapes = [(t, hq, d), (t, hkv, d), (t, hkv, dv), (t, hq, dv)]
         meta = dict(cu_seqlens=cu, cu_seqlens_padded=cu_pad)
     else:
         s = 2 * cp * 4
-        order = (lambda h: (b, s, h, d)) if fmt == "bshd" else (lambda h: (s, b, h, d))
-        shapes = [order(hq), order(hkv), order(hkv)]
-    q, k, v = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes)
-    dout = torch.randn(shapes[0], generator=gen, dtype=torch.float64)
+        order = (lambda h, e: (b, s, h, e)) if fmt == "bshd" else (lambda h, e: (s, b, h, e))
+        shapes = [order(hq, d), order(hkv, d), order(hkv, dv), order(hq, dv)]
+    q, k, v, dout = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes)
     if fmt == "thd":  # padding tokens hold garbage: it must not leak into real tokens
         valid = torch.zeros(shapes[0][0], dtype=torch.bool)
         for i in range(len(meta["cu_seqlens"]) - 1):
@@ -77,11 +78,11 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
     return [x.to(dtype) for x in (q, k, v, dout)], meta
 
 
-def run_case(comm, fmt, causal, heads, cp, dtype, seed):
+def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None):
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
-    (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id)
+    (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id, dv=dv)
     pad = meta.get("cu_seqlens_padded")
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     ref = full_attention(*ref_in, causal=causal, qkv_format=fmt,
@@ -98,6 +99,7 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed):
         cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
     )
     out.backward(shard(dout))
+    assert out.shape == shard(ref).shape and local[2].grad.shape == local[2].shape
     errors = {
         "out": (out - shard(ref)).abs().max().item(),
         "dq": (local[0].grad - shard(ref_in[0].grad)).abs().max().item(),
@@ -113,6 +115,17 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed):
 
 def run_cases(cases):
     return [run_case(*case) for case in cases]
+
+
+def failures_of(cases, per_rank):
+    """(rank, case, errors above the dtype's tolerance) of every failing case."""
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for case, errors in zip(cases, results):
+            bad = {k: e for k, e in errors.items() if not e <= TOL[case[5]]}
+            if bad:
+                failures.append((rank, case, bad))
+    return failures
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -132,6 +145,17 @@ def test_matches_single_process_attention(world, comm, fmt):
             if bad:
                 failures.append((rank, case[2:5], str(case[5]), bad))
     assert not failures, failures[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_mla_head_dims(world, comm):
+    """MLA shapes (v's head dim 4, q/k's 8): output and dv in v's head dim, every format."""
+    cases = [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, 4)
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
 
 
 def assemble_roundtrip():

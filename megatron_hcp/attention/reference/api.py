@@ -11,6 +11,9 @@ The a2a output is re-ordered into the same two-halves layout one level up (chunk
 and their mirrors), so a2a+p2p is an a2a followed by the p2p ring at CP size ``p``, and pure a2a
 is the ring with ``p == 1``.
 
+MLA shapes: ``v`` (and the output) may have a head dim other than q's and k's; the K/V ring
+message and the all-to-alls carry each tensor at its own size.
+
 GQA/MQA: KV heads may be fewer than query heads. When an a2a level is larger than the number of
 KV heads (it must then be a multiple of it), KV heads are replicated ``a/Hkv`` times before the
 all-to-all (as LoongTrain does). Cost: the K/V all-to-all and the post-a2a K/V buffers grow by
@@ -113,7 +116,8 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
 
-    Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d], with ``s``/``t`` the
+    Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d] (``v`` and the
+    output may have their own head dim ``d_v``, as in MLA), with ``s``/``t`` the
     local (sharded) length as cut by :func:`~.sharding.get_local_chunk`. ``cp_group`` is one
     process group, or ``[a2a_group, p2p_group]`` for ``"a2a+p2p"``; a rank's CP position is its
     rank in the flat group (a2a+p2p: p2p index * a2a size + a2a index). For ``thd`` the
@@ -165,6 +169,11 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         raise CPAttentionError(
             f"q, k, v disagree on sequence length or heads: {list(q.shape)}, {list(k.shape)}, "
             f"{list(v.shape)} (self-attention with one packing only)"
+        )
+    if qh.shape[-1] != kh.shape[-1]:
+        raise CPAttentionError(
+            f"q head dim {qh.shape[-1]} != k head dim {kh.shape[-1]}: q and k must share one "
+            "head dim (only v may have its own, as in MLA's v_head_dim)"
         )
     _check_heads(qh.shape[1], kh.shape[1], a)
     if qkv_format == "thd":

@@ -8,7 +8,8 @@
 * :class:`UlyssesAllToAll` - Ulysses all-to-all (scatter heads, gather sequence) and its
   inverse, each the other's backward.
 
-Tensors are ``[B, H, S, D]``; ``S`` is the local sequence in the two-halves layout of
+Tensors are ``[B, H, S, D]`` (V and the output may have their own head dim ``Dv``, as in MLA);
+``S`` is the local sequence in the two-halves layout of
 :class:`~.seq_layout.SeqLayout`.
 """
 
@@ -62,10 +63,11 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv):
             acc.index_add_(2, sel, grad)
 
 
-def _new_acc(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _new_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero output (in v's head dim) and ``-inf`` LSE accumulators for q's rows."""
     acc = acc_dtype(q.dtype)
     b, h, s, _ = q.shape
-    out = torch.zeros(b, h, s, q.shape[-1], dtype=acc, device=q.device)
+    out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     return out, lse
 
@@ -95,7 +97,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
                 scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
-        out, lse = _new_acc(q)
+        out, lse = _new_acc(q, v)
         for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
             kj, vj = _unpack(kv, k.shape, v.shape)
             block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
@@ -178,7 +180,7 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
-        out, lse = _new_acc(q)
+        out, lse = _new_acc(q, v)
         for srcs, plan in AllGatherAttention._ordered(layout, causal):
             if srcs == [layout.position]:
                 kj, vj, block = k, v, _on(plan, q.device)
