@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.attention.reference import (
+    BlockCounter,
     CommCounter,
     CPAttentionError,
     assemble_from_chunks,
@@ -78,14 +79,14 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
     return [x.to(dtype) for x in (q, k, v, dout)], meta
 
 
-def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None):
+def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None):
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
     (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id, dv=dv)
     pad = meta.get("cu_seqlens_padded")
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref = full_attention(*ref_in, causal=causal, qkv_format=fmt,
+    ref = full_attention(*ref_in, causal=causal, qkv_format=fmt, window_size=window,
                          cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad)
     ref.backward(dout)
 
@@ -96,7 +97,7 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None):
     out = context_parallel_attention(
         *local, cp_comm_type=comm, cp_group=group, causal=causal, qkv_format=fmt,
         cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_kv=meta.get("cu_seqlens"),
-        cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+        cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, window_size=window,
     )
     out.backward(shard(dout))
     assert out.shape == shard(ref).shape and local[2].grad.shape == local[2].shape
@@ -156,6 +157,41 @@ def test_mla_head_dims(world, comm):
             FORMATS, [True, False], [torch.float64, torch.float32]))
     ]
     assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+WINDOWS = [(3, 0), (2, 5), (6, -1), (-1, 3)]  # (left, right); 3 < one chunk of 4 tokens
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_sliding_window(world, comm):
+    """window_size=(left, right) on load-balanced chunks, every format, causal and full."""
+    cases = [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None, WINDOWS[seed % len(WINDOWS)])
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+def count_blocks(comm, window):
+    group, _ = cp_groups(4, (2, 2) if comm == "a2a+p2p" else None)
+    (q, k, v, _), _ = make_inputs("bshd", (4, 2), torch.float64, 4, 5)
+    local = [get_local_chunk(x, 4, dist.get_rank() % 4, "bshd") for x in (q, k, v)]
+    with BlockCounter() as counter:
+        context_parallel_attention(*local, cp_comm_type=comm, cp_group=group,
+                                   window_size=window)
+    return len(counter.computed), counter.skipped, counter.pairs
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_window_skips_blocks_outside_it(world, comm):
+    # CP=4, chunks of 4 tokens, causal window of 3: rank r (chunks r, 7-r) sees only chunks next
+    # to its own, i.e. sources r-1, r, r+1; the other blocks are skipped
+    per_rank = world.run(count_blocks, comm, (3, 0))
+    assert [(c, s) for c, s, _ in per_rank] == [(2, 2), (3, 1), (3, 1), (2, 2)]
+    full = world.run(count_blocks, comm, None)
+    assert [(c, s) for c, s, _ in full] == [(4, 0)] * 4
+    assert all(w[2] < f[2] for w, f in zip(per_rank, full))
 
 
 def assemble_roundtrip():
@@ -238,6 +274,8 @@ def bad_inputs():
              cu_seqlens_q=torch.tensor([0, 10, 24])),  # 10 and 14 are not multiples of 8
         dict(q=torch.randn(5, 4, 8), qkv_format="thd", cp_comm_type="p2p", cp_group=group,
              cu_seqlens_q=torch.tensor([0, 8, 24])),  # local tokens should be 24/4 = 6
+        dict(q=q, k=torch.randn(1, 8, 4, 6), cp_comm_type="p2p", cp_group=group),  # dq 8, dk 6
+        dict(q=q, cp_comm_type="p2p", cp_group=group, window_size=(3,)),
     ]
     for kwargs in cases:
         qq = kwargs.pop("q")
@@ -259,7 +297,8 @@ def test_bad_input_clear_error_on_every_rank_before_any_collective(world):
     for fragment, message in zip(
         ["does not divide the 3 local query heads", "not a multiple of 3 KV heads",
          "is odd", "needs cp_group=[a2a_group, p2p_group]", "would run with CP off",
-         "use one of", "not a multiple of 2*cp_size=8", "q holds 5 tokens"], messages):
+         "use one of", "not a multiple of 2*cp_size=8", "q holds 5 tokens",
+         "q head dim 8 != k head dim 6", "window_size=(3,): use (left, right)"], messages):
         assert fragment in message, (fragment, message)
     # no collective was left half-way: the world still answers
     assert world.run(dist.get_rank) == list(range(WORLD))
