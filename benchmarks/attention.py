@@ -7,9 +7,13 @@ For each comm type and CP size, on local gloo ranks (CPU, fp32, causal, batch 1)
 * max/mean attention FLOPs across the CP ranks (score-matrix entries actually computed);
 * work inflation: CPU time summed over all CP ranks for forward + backward, divided by the CPU
   time of single-process ``scaled_dot_product_attention`` forward + backward on the whole problem,
-  measured in the same run on the same machine (every process single-threaded).
+  measured in the same run on the same machine (every process single-threaded);
+* forward blocks run / skipped per rank (``BlockCounter``, max over ranks): with ``--window L``
+  (sliding window ``(L, 0)``) the ring skips the blocks the window cannot see, and FLOPs are the
+  query-key pairs of the blocks actually run.
 
-Run: ``.venv/bin/python benchmarks/attention.py [--seq 4096 --heads 8 --kv-heads 8 --dim 64]``
+Run: ``.venv/bin/python benchmarks/attention.py [--seq 4096 --heads 8 --kv-heads 8 --dim 64]
+[--window 256]``
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_hcp.attention.reference import CommCounter, context_parallel_attention  # noqa: E402
+from megatron_hcp.attention.reference import (  # noqa: E402
+    BlockCounter,
+    CommCounter,
+    context_parallel_attention,
+)
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
@@ -86,16 +94,17 @@ def _groups(comm: str, n: int):
     return new_groups(flat), (n if comm == "a2a" else 1)
 
 
-def rank_run(comm: str, n: int, s: int, h: int, hkv: int, d: int, repeats: int):
-    """One rank: build groups, time forward + backward, count bytes."""
+def rank_run(comm: str, n: int, s: int, h: int, hkv: int, d: int, repeats: int,
+             window: tuple[int, int] | None = None):
+    """One rank: build groups, time forward + backward, count bytes and blocks."""
     group, a = _groups(comm, n)
     try:
-        return _measure(comm, n, s, h, hkv, d, repeats, group, a)
+        return _measure(comm, n, s, h, hkv, d, repeats, group, a, window)
     finally:  # gloo keeps threads per group: leaked groups slow every later trial
         destroy_groups(group if isinstance(group, list) else [group])
 
 
-def _measure(comm, n, s, h, hkv, d, repeats, group, a):
+def _measure(comm, n, s, h, hkv, d, repeats, group, a, window):
     rank = dist.get_rank()
     if rank >= n:  # only the first CP group is measured; the others wait
         dist.barrier()
@@ -107,17 +116,22 @@ def _measure(comm, n, s, h, hkv, d, repeats, group, a):
     dout = torch.randn(1, s // n, h, d, generator=gen)
     best = float("inf")
     for _ in range(repeats):
-        with CommCounter() as counter:
+        with CommCounter() as counter, BlockCounter() as blocks:
             t0 = time.process_time()
-            out = context_parallel_attention(q, k, v, cp_comm_type=comm, cp_group=group)
+            out = context_parallel_attention(q, k, v, cp_comm_type=comm, cp_group=group,
+                                             window_size=window)
             out.backward(dout)
             best = min(best, time.process_time() - t0)
     dist.barrier()
-    return {"cpu_s": best, "bytes": counter.bytes(), "entries": attention_entries(comm, n, s,
-                                                                                  rank, a), "a": a}
+    heads_share = a if comm in ("a2a", "a2a+p2p") else 1
+    entries = (attention_entries(comm, n, s, rank, a) if window is None
+               else blocks.pairs // heads_share)
+    return {"cpu_s": best, "bytes": counter.bytes(), "entries": entries, "a": a,
+            "blocks": (len(blocks.computed), blocks.skipped)}
 
 
-def baseline(s: int, h: int, hkv: int, d: int, repeats: int) -> float:
+def baseline(s: int, h: int, hkv: int, d: int, repeats: int,
+             window: tuple[int, int] | None = None) -> float:
     """Single-process SDPA forward + backward on the whole problem (CPU seconds, 1 thread)."""
     if dist.get_rank() != 0:
         return 0.0
@@ -129,8 +143,13 @@ def baseline(s: int, h: int, hkv: int, d: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=hkv != h)
+        if window is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=hkv != h)
+        else:  # SDPA has no window: an explicit causal band mask
+            i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=(j <= i) & (j >= i - window[0]), enable_gqa=hkv != h)
         out.backward(dout)
         best = min(best, time.process_time() - t0)
     return best
@@ -146,27 +165,34 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3,
                         help="independent trials (each with its own baseline); the table shows "
                         "the median inflation and its range")
+    parser.add_argument("--window", type=int, default=None,
+                        help="sliding window (LEFT, 0): blocks outside it are skipped")
     args = parser.parse_args()
     s, h, hkv, d = args.seq, args.heads, args.kv_heads, args.dim
-    print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank")
+    window = None if args.window is None else (args.window, 0)
+    print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank"
+          + (f", window={window}" if window else ""))
     trials: dict[tuple[str, int], list] = {case: [] for case in CASES}
     bases = []
     with LocalWorld(WORLD, timeout_s=1200) as world:
         for _ in range(args.trials):
-            base = world.run(baseline, s, h, hkv, d, args.repeats)[0]
+            base = world.run(baseline, s, h, hkv, d, args.repeats, window)[0]
             bases.append(base)
             for comm, n in CASES:
-                res = [r for r in world.run(rank_run, comm, n, s, h, hkv, d, args.repeats) if r]
+                res = [r for r in world.run(rank_run, comm, n, s, h, hkv, d, args.repeats,
+                                            window) if r]
                 a = res[0]["a"] if comm != "a2a+p2p" else 2
                 entries = [r["entries"] for r in res]
                 cpu = sum(r["cpu_s"] for r in res)
                 trials[(comm, n)].append((
                     max(r["bytes"] for r in res), analytic_bytes(comm, n, s, h, hkv, d, a),
-                    max(entries) / (sum(entries) / len(entries)), cpu, cpu / base))
+                    max(entries) / (sum(entries) / len(entries)), cpu, cpu / base,
+                    max(r["blocks"] for r in res)))
     print(f"baseline: single-process SDPA fwd+bwd = "
           f"{statistics.median(bases):.3f} CPU s (median of {len(bases)} trials)")
     header = (f"{'comm':<11} {'CP':>3} {'bytes/rank':>12} {'analytic':>12} {'ratio':>6} "
-              f"{'max/mean FLOPs':>15} {'CPU s (sum)':>12} {'inflation':>10} {'range':>12}")
+              f"{'max/mean FLOPs':>15} {'CPU s (sum)':>12} {'inflation':>10} {'range':>12} "
+              f"{'blocks run/skip':>15}")
     print(header)
     print("-" * len(header))
     for (comm, n), runs in trials.items():
@@ -175,7 +201,7 @@ def main() -> None:
         cpu = statistics.median(r[3] for r in runs)
         print(f"{comm:<11} {n:>3} {measured:>12,} {expect:>12,} {measured / expect:>6.2f} "
               f"{balance:>15.2f} {cpu:>12.3f} {statistics.median(infl):>9.2f}x "
-              f"{min(infl):>5.2f}-{max(infl):.2f}x")
+              f"{min(infl):>5.2f}-{max(infl):.2f}x {'/'.join(map(str, runs[0][5])):>15}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ __all__ = [
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DEFAULT_CP_COMM_TYPE = "p2p"  # megatron's default; the one place it is decided here
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron's TransformerConfig.softmax_type
 
 
 def comm_type_or_default(cp_comm_type: str | None) -> str:
@@ -121,6 +122,8 @@ class CPConfig:
     use_megatron_fsdp: bool = False
     te_version: str | None = None
     cp_attention_backend: Backend = "auto"
+    window_size: list[int] | tuple[int, int] | None = None
+    softmax_type: str = "vanilla"
 
     def __post_init__(self) -> None:
         if self.hybrid_context_parallel is True:  # deprecated alias (advice in validate())
@@ -192,6 +195,7 @@ class CPConfig:
             self._check_seq_length,
             self._check_heads,
             self._check_te,
+            self._check_attention_features,
             self._check_dynamic,
         ):
             check(violations, advice)
@@ -477,6 +481,39 @@ class CPConfig:
                 )
             )
 
+    def _check_attention_features(self, out: list[Violation], advice: list[str]) -> None:
+        """Sliding windows and softmax offsets: what each backend runs with CP."""
+        w = self.window_size
+        windowed = w is not None and tuple(w) != (-1, -1)
+        if w is not None and not (
+                isinstance(w, (list, tuple)) and len(w) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in w)):
+            out.append(Violation("window_size", w, "must be (left, right) with ints >= -1",
+                                 "e.g. window_size=[128, 0]; -1 = unbounded"))
+            windowed = False
+        ring = sorted({t for t in self.comm_types if t in ("p2p", "a2a+p2p")})
+        if windowed and self.backend == "te" and self.context_parallel_size > 1 and ring:
+            out.append(Violation(
+                "window_size", w,
+                f"Transformer Engine runs sliding-window CP attention only with a2a or "
+                f"all_gather, not {', '.join(ring)} (backend te)",
+                "use cp_comm_type=a2a or all_gather, or cp_attention_backend=reference (its "
+                "ring skips the blocks outside the window)"))
+        if self.softmax_type not in SOFTMAX_TYPES:
+            out.append(Violation("softmax_type", self.softmax_type,
+                                 f"must be one of {', '.join(SOFTMAX_TYPES)}", "pick one of those"))
+        elif self.softmax_type != "vanilla" and self.context_parallel_size > 1:
+            if self.backend == "reference":
+                out.append(Violation(
+                    "softmax_type", self.softmax_type,
+                    "the reference CP backend does not implement softmax offsets yet (backend "
+                    "reference)", "use softmax_type=vanilla, or the te backend with a2a"))
+            elif any(t != "a2a" for t in self.comm_types):
+                out.append(Violation(
+                    "softmax_type", self.softmax_type,
+                    "Transformer Engine runs softmax offsets (sinks) with CP only with a2a "
+                    f"(backend te, cp_comm_type={self.comm_type})", "use cp_comm_type=a2a"))
+
     def dynamic_levels(self, size: int) -> tuple[int, int]:
         """(a2a, p2p) level sizes of a dynamic CP group of ``size`` ranks under dynamic HCP:
         a2a = min(size, a) (contiguous ranks), p2p = size / a2a; (size, 1) without HCP."""
@@ -652,7 +689,7 @@ class CPConfig:
                             f"--{key.replace('_', '-')}", None, "needs a value",
                             f"write --{key.replace('_', '-')} <value>")])
                     kwargs[key] = True
-                elif kind.lstrip("?") in ("sizes", "strs") and len(values) > 1:
+                elif kind.lstrip("?") in ("sizes", "strs", "window") and len(values) > 1:
                     kwargs[key] = parse_value(",".join(values), kind, key)
                 elif len(values) > 1:
                     raise CPConfigError([Violation(
@@ -699,6 +736,8 @@ FIELD_KINDS: dict[str, str] = {
     "use_megatron_fsdp": "bool",
     "te_version": "?version",
     "cp_attention_backend": "str",
+    "window_size": "?window",
+    "softmax_type": "str",
 }
 
 
@@ -805,6 +844,11 @@ def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
     if kind == "sizes":
         return [parse_int(p, f"{name}[{i}]", minimum=1, maximum=MAX_RANKS)
                 for i, p in enumerate(_items(raw, name))]
+    if kind == "window":
+        window = [parse_int(p, f"{name}[{i}]", minimum=-1) for i, p in enumerate(_items(raw, name))]
+        if len(window) != 2:
+            raise _bad(name, raw, "must be two integers (left, right)", "e.g. 128,0")
+        return window
     if kind == "strs":
         if isinstance(raw, str) and not raw.strip().startswith("["):
             return parse_value(raw, "str", name)

@@ -18,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, uses_dynamic_cp
 from .reference import context_parallel_attention, local_attention
+from .reference.api import check_window
 from .te import TEUnavailableError, have_te, te_attention_class
 
 __all__ = ["ReferenceCPAttention", "TEUnavailableError", "core_attention_class",
@@ -61,6 +62,19 @@ class ReferenceCPAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.cp_comm_type = cp_comm_type
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type != "vanilla":
+            raise ValueError(
+                f"softmax_type={softmax_type!r}: the reference CP attention implements only "
+                "'vanilla' softmax so far; use softmax_type='vanilla' or the te backend"
+            )
+        if getattr(config, "window_attn_skip_freq", None) is not None:
+            raise ValueError(
+                f"window_attn_skip_freq={config.window_attn_skip_freq!r}: the reference CP "
+                "attention applies window_size to every layer; unset window_attn_skip_freq"
+            )
+        window = getattr(config, "window_size", None)
+        self.window_size = check_window(None if window is None else tuple(window))
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         # Fail at build time, not mid-step, when CP is configured but its groups are missing.
@@ -99,7 +113,8 @@ class ReferenceCPAttention(MegatronModule):
             )
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         kwargs: dict[str, Any] = dict(causal=causal, softmax_scale=self.softmax_scale,
-                                      qkv_format="thd" if thd else "sbhd")
+                                      qkv_format="thd" if thd else "sbhd",
+                                      window_size=self.window_size)
         if thd:
             kwargs.update(
                 cu_seqlens_q=packed_seq_params.cu_seqlens_q,

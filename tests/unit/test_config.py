@@ -136,6 +136,39 @@ def test_kv_replication_only_with_reference_backend():
         CPConfig(**cfg, te_version="2.8").validate()
 
 
+def test_window_and_softmax_offset_rules_per_backend():
+    te, ref = dict(te_version="2.8"), dict(cp_attention_backend="reference")
+    base = dict(context_parallel_size=4, window_size=[128, 0])
+    for comm in ("p2p", "a2a+p2p"):
+        hcp = dict(hierarchical_context_parallel_sizes=[2, 2]) if comm == "a2a+p2p" else {}
+        with pytest.raises(CPConfigError) as info:
+            CPConfig(**base, cp_comm_type=comm, **hcp, **te).validate()
+        (v,) = info.value.violations
+        assert v.parameter == "window_size" and comm in v.rule and "backend te" in v.rule
+        assert "cp_attention_backend=reference" in v.fix
+        CPConfig(**base, cp_comm_type=comm, **hcp, **ref).validate()  # the ring skips blocks
+    for comm in ("a2a", "all_gather"):
+        CPConfig(**base, cp_comm_type=comm, **te).validate()
+    CPConfig(context_parallel_size=4, window_size=[-1, -1], **te).validate()  # no window
+    with pytest.raises(CPConfigError, match="window_size"):
+        CPConfig(context_parallel_size=4, window_size=[128]).validate()
+    # softmax offsets: TE only with a2a; the reference backend does not implement them yet
+    CPConfig(context_parallel_size=4, cp_comm_type="a2a", softmax_type="learnable",
+             **te).validate()
+    with pytest.raises(CPConfigError) as info:
+        CPConfig(context_parallel_size=4, cp_comm_type="p2p", softmax_type="off-by-one",
+                 **te).validate()
+    assert "only with a2a (backend te" in str(info.value)
+    with pytest.raises(CPConfigError) as info:
+        CPConfig(context_parallel_size=4, cp_comm_type="a2a", softmax_type="off-by-one",
+                 **ref).validate()
+    assert "does not implement softmax offsets yet (backend reference)" in str(info.value)
+    with pytest.raises(CPConfigError, match="softmax_type"):
+        CPConfig(softmax_type="sink").validate()
+    assert cli_main(["check-config", "context_parallel_size=4", "window_size=[128,0]",
+                     "te_version=2.8"]) == 2  # p2p by default
+
+
 # ---------------------------------------------------------------- independent oracle
 def oracle_is_valid(c: dict) -> bool:
     """The rules of the foundation issue, restated from scratch."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.attention.reference import (
+    BlockCounter,
     CommCounter,
     CPAttentionError,
     assemble_from_chunks,
@@ -47,8 +48,10 @@ def cp_groups(cp: int, hcp: tuple[int, int] | None):
     return _GROUPS[key]
 
 
-def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
-    """Global q, k, v (and thd metadata) identical on every rank of a CP group."""
+def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
+    """Global q, k, v (and thd metadata) identical on every rank of a CP group; ``dv`` is v's
+    head dim (MLA), ``d`` by default."""
+    dv = d if dv is None else dv
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     meta = {}
@@ -60,14 +63,13 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
         cu_pad = cu_pad + torch.cat([torch.zeros(1, dtype=cu_pad.dtype),
                                      extra.cumsum(0).to(cu_pad.dtype)])
         t = int(cu_pad[-1])
-        shapes = [(t, hq, d), (t, hkv, d), (t, hkv, d)]
+        shapes = [(t, hq, d), (t, hkv, d), (t, hkv, dv), (t, hq, dv)]
         meta = dict(cu_seqlens=cu, cu_seqlens_padded=cu_pad)
     else:
         s = 2 * cp * 4
-        order = (lambda h: (b, s, h, d)) if fmt == "bshd" else (lambda h: (s, b, h, d))
-        shapes = [order(hq), order(hkv), order(hkv)]
-    q, k, v = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes)
-    dout = torch.randn(shapes[0], generator=gen, dtype=torch.float64)
+        order = (lambda h, e: (b, s, h, e)) if fmt == "bshd" else (lambda h, e: (s, b, h, e))
+        shapes = [order(hq, d), order(hkv, d), order(hkv, dv), order(hq, dv)]
+    q, k, v, dout = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes)
     if fmt == "thd":  # padding tokens hold garbage: it must not leak into real tokens
         valid = torch.zeros(shapes[0][0], dtype=torch.bool)
         for i in range(len(meta["cu_seqlens"]) - 1):
@@ -77,14 +79,14 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8):
     return [x.to(dtype) for x in (q, k, v, dout)], meta
 
 
-def run_case(comm, fmt, causal, heads, cp, dtype, seed):
+def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None):
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
-    (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id)
+    (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id, dv=dv)
     pad = meta.get("cu_seqlens_padded")
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref = full_attention(*ref_in, causal=causal, qkv_format=fmt,
+    ref = full_attention(*ref_in, causal=causal, qkv_format=fmt, window_size=window,
                          cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad)
     ref.backward(dout)
 
@@ -95,9 +97,10 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed):
     out = context_parallel_attention(
         *local, cp_comm_type=comm, cp_group=group, causal=causal, qkv_format=fmt,
         cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_kv=meta.get("cu_seqlens"),
-        cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+        cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, window_size=window,
     )
     out.backward(shard(dout))
+    assert out.shape == shard(ref).shape and local[2].grad.shape == local[2].shape
     errors = {
         "out": (out - shard(ref)).abs().max().item(),
         "dq": (local[0].grad - shard(ref_in[0].grad)).abs().max().item(),
@@ -113,6 +116,17 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed):
 
 def run_cases(cases):
     return [run_case(*case) for case in cases]
+
+
+def failures_of(cases, per_rank):
+    """(rank, case, errors above the dtype's tolerance) of every failing case."""
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for case, errors in zip(cases, results):
+            bad = {k: e for k, e in errors.items() if not e <= TOL[case[5]]}
+            if bad:
+                failures.append((rank, case, bad))
+    return failures
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -132,6 +146,52 @@ def test_matches_single_process_attention(world, comm, fmt):
             if bad:
                 failures.append((rank, case[2:5], str(case[5]), bad))
     assert not failures, failures[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_mla_head_dims(world, comm):
+    """MLA shapes (v's head dim 4, q/k's 8): output and dv in v's head dim, every format."""
+    cases = [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, 4)
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+WINDOWS = [(3, 0), (2, 5), (6, -1), (-1, 3)]  # (left, right); 3 < one chunk of 4 tokens
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_sliding_window(world, comm):
+    """window_size=(left, right) on load-balanced chunks, every format, causal and full."""
+    cases = [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None, WINDOWS[seed % len(WINDOWS)])
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+def count_blocks(comm, window):
+    group, _ = cp_groups(4, (2, 2) if comm == "a2a+p2p" else None)
+    (q, k, v, _), _ = make_inputs("bshd", (4, 2), torch.float64, 4, 5)
+    local = [get_local_chunk(x, 4, dist.get_rank() % 4, "bshd") for x in (q, k, v)]
+    with BlockCounter() as counter:
+        context_parallel_attention(*local, cp_comm_type=comm, cp_group=group,
+                                   window_size=window)
+    return len(counter.computed), counter.skipped, counter.pairs
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_window_skips_blocks_outside_it(world, comm):
+    # CP=4, chunks of 4 tokens, causal window of 3: rank r (chunks r, 7-r) sees only chunks next
+    # to its own, i.e. sources r-1, r, r+1; the other blocks are skipped
+    per_rank = world.run(count_blocks, comm, (3, 0))
+    assert [(c, s) for c, s, _ in per_rank] == [(2, 2), (3, 1), (3, 1), (2, 2)]
+    full = world.run(count_blocks, comm, None)
+    assert [(c, s) for c, s, _ in full] == [(4, 0)] * 4
+    assert all(w[2] < f[2] for w, f in zip(per_rank, full))
 
 
 def assemble_roundtrip():
@@ -214,6 +274,8 @@ def bad_inputs():
              cu_seqlens_q=torch.tensor([0, 10, 24])),  # 10 and 14 are not multiples of 8
         dict(q=torch.randn(5, 4, 8), qkv_format="thd", cp_comm_type="p2p", cp_group=group,
              cu_seqlens_q=torch.tensor([0, 8, 24])),  # local tokens should be 24/4 = 6
+        dict(q=q, k=torch.randn(1, 8, 4, 6), cp_comm_type="p2p", cp_group=group),  # dq 8, dk 6
+        dict(q=q, cp_comm_type="p2p", cp_group=group, window_size=(3,)),
     ]
     for kwargs in cases:
         qq = kwargs.pop("q")
@@ -235,7 +297,8 @@ def test_bad_input_clear_error_on_every_rank_before_any_collective(world):
     for fragment, message in zip(
         ["does not divide the 3 local query heads", "not a multiple of 3 KV heads",
          "is odd", "needs cp_group=[a2a_group, p2p_group]", "would run with CP off",
-         "use one of", "not a multiple of 2*cp_size=8", "q holds 5 tokens"], messages):
+         "use one of", "not a multiple of 2*cp_size=8", "q holds 5 tokens",
+         "q head dim 8 != k head dim 6", "window_size=(3,): use (left, right)"], messages):
         assert fragment in message, (fragment, message)
     # no collective was left half-way: the world still answers
     assert world.run(dist.get_rank) == list(range(WORLD))

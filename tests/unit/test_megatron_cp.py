@@ -357,3 +357,29 @@ def test_rope_follows_the_dynamic_cp_group(world):
     # megatron 0.16.1 alone slices RoPE by the static CP=4 group: it fails or is wrong
     for result in world.run(dynamic_group_forward, False):
         assert (isinstance(result, str) and "split_with_sizes" in result) or result > 1e-3
+
+
+# ---------------------------------------------------------------- config fields (one process)
+def test_reference_attention_reads_window_size_and_refuses_softmax_offsets():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hcp.attention.module import ReferenceCPAttention
+    from megatron_hcp.attention.reference import full_attention
+
+    def build(**fields):
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                attention_dropout=0.0, use_cpu_initialization=True, **fields)
+        return ReferenceCPAttention(cfg, 1, AttnMaskType.causal, "self",
+                                    pg_collection=SimpleNamespace(cp=None, hcp=None))
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = build(window_size=(3, 0))(q, k, v, None)  # [s, b, h*d]
+    ref = full_attention(q, k, v, qkv_format="sbhd", window_size=(3, 0))
+    assert (out - ref.reshape(16, 2, 32)).abs().max() <= 1e-10
+    assert (out - full_attention(q, k, v, qkv_format="sbhd").reshape(16, 2, 32)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="softmax_type='off-by-one'"):
+        build(softmax_type="off-by-one")

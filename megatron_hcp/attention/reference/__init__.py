@@ -8,11 +8,13 @@ from ...sharding import (  # re-exported: the attention API's callers shard with
     thd_partition_indices,
 )
 from .api import context_parallel_attention, local_attention
+from .blocks import BlockCounter
 from .comm import CommCounter, CommRecord
 from .oracle import full_attention
 from .seq_layout import CPAttentionError
 
 __all__ = [
+    "BlockCounter",
     "CPAttentionError",
     "CommCounter",
     "CommRecord",

@@ -11,6 +11,9 @@ The a2a output is re-ordered into the same two-halves layout one level up (chunk
 and their mirrors), so a2a+p2p is an a2a followed by the p2p ring at CP size ``p``, and pure a2a
 is the ring with ``p == 1``.
 
+MLA shapes: ``v`` (and the output) may have a head dim other than q's and k's; the K/V ring
+message and the all-to-alls carry each tensor at its own size.
+
 GQA/MQA: KV heads may be fewer than query heads. When an a2a level is larger than the number of
 KV heads (it must then be a multiple of it), KV heads are replicated ``a/Hkv`` times before the
 all-to-all (as LoongTrain does). Cost: the K/V all-to-all and the post-a2a K/V buffers grow by
@@ -30,7 +33,7 @@ from ...sharding import seq_lengths
 from .functions import AllGatherAttention, RingAttention, UlyssesAllToAll
 from .seq_layout import CPAttentionError, SeqLayout, a2a_gather_permutation, check_cu_seqlens
 
-__all__ = ["context_parallel_attention", "local_attention"]
+__all__ = ["check_window", "context_parallel_attention", "local_attention"]
 
 Group = dist.ProcessGroup | None
 
@@ -110,23 +113,29 @@ def context_parallel_attention(
     cu_seqlens_q_padded: torch.Tensor | None = None,
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
 
-    Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d], with ``s``/``t`` the
+    Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d] (``v`` and the
+    output may have their own head dim ``d_v``, as in MLA), with ``s``/``t`` the
     local (sharded) length as cut by :func:`~.sharding.get_local_chunk`. ``cp_group`` is one
     process group, or ``[a2a_group, p2p_group]`` for ``"a2a+p2p"``; a rank's CP position is its
     rank in the flat group (a2a+p2p: p2p index * a2a size + a2a index). For ``thd`` the
     ``cu_seqlens`` describe the full packed batch; missing kv metadata defaults to q's,
     ``cu_seqlens_q_padded`` to ``cu_seqlens_q``, and
     every padded length must be a multiple of ``2*CP``. Padding tokens get output 0 and no
-    gradient. Self-attention only: q and kv share the packing.
+    gradient. Self-attention only: q and kv share the packing. ``window_size=(left, right)``:
+    sliding window (query at position i sees keys i-left .. i+right of its sequence, ``-1`` =
+    unbounded, with ``causal`` also keys <= i), as Transformer Engine's ``window_size``.
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
+    window = check_window(window_size)
     return _attention(
         q, k, v, cp_comm_type, _groups(cp_comm_type, cp_group), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
+        window,
     )
 
 
@@ -142,16 +151,35 @@ def local_attention(
     cu_seqlens_q_padded: torch.Tensor | None = None,
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The same attention without CP (one rank holds whole sequences); no communication."""
     return _attention(
         q, k, v, "p2p", (None, None, 1, 1, 0), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
+        check_window(window_size),
     )
 
 
+def check_window(window_size) -> tuple[int, int] | None:
+    """``window_size`` as ``(left, right)``, or ``None`` for no window (``None``/``(-1, -1)``)."""
+    if window_size is None:
+        return None
+    ok = (isinstance(window_size, Sequence) and len(window_size) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
+                  for w in window_size))
+    if not ok:
+        raise CPAttentionError(
+            f"window_size={window_size!r}: use (left, right) with ints >= -1 (-1 = unbounded), "
+            "e.g. (128, 0), or None for no window"
+        )
+    left, right = window_size
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
 def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-               cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale) -> torch.Tensor:
+               cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale, window
+               ) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
     expected_dims = 3 if qkv_format == "thd" else 4
@@ -165,6 +193,11 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         raise CPAttentionError(
             f"q, k, v disagree on sequence length or heads: {list(q.shape)}, {list(k.shape)}, "
             f"{list(v.shape)} (self-attention with one packing only)"
+        )
+    if qh.shape[-1] != kh.shape[-1]:
+        raise CPAttentionError(
+            f"q head dim {qh.shape[-1]} != k head dim {kh.shape[-1]}: q and k must share one "
+            "head dim (only v may have its own, as in MLA's v_head_dim)"
         )
     _check_heads(qh.shape[1], kh.shape[1], a)
     if qkv_format == "thd":
@@ -206,10 +239,10 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
     if cp_comm_type == "all_gather":
-        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale)
+        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale, window)
     else:
         ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
-        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale)
+        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale, window)
     if a > 1:
         out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
     return _from_bhsd(out, qkv_format)

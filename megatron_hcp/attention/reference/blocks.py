@@ -10,19 +10,29 @@ values of position ``src`` under a causal mask (as in Transformer Engine):
 Every rank therefore does the same work at every step. Without a causal mask every pair is full.
 Packed (``thd``) data adds a mask: same sequence, both tokens real (not padding), and causal order
 by position inside the sequence.
+
+A sliding window ``(left, right)`` (query at position i sees keys i-left .. i+right, ``-1`` =
+unbounded, as in Transformer Engine) adds its band to the mask; a block is trimmed to the rows and
+columns that see anything and skipped (``None``) when the window sees none of it.
+:class:`BlockCounter` records which blocks the forward computed and which it skipped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextvars
+from dataclasses import dataclass, field
 
 import torch
 
 from .seq_layout import SeqLayout
 
-__all__ = ["Block", "plan_block", "take"]
+__all__ = ["Block", "BlockCounter", "Window", "plan_block", "record_block", "take"]
 
 Selector = slice | torch.Tensor
+Window = tuple[int, int] | None
+_COUNTERS: contextvars.ContextVar[tuple[BlockCounter, ...]] = contextvars.ContextVar(
+    "megatron_hcp_block_counters", default=()
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,45 @@ class Block:
     mask: torch.Tensor | None
 
 
+@dataclass
+class BlockCounter:
+    """Context manager counting this rank's forward attention blocks: ``computed`` holds the
+    (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
+    window saw nothing of (their K/V still travel: other ranks need them)."""
+
+    computed: list[tuple[int, int]] = field(default_factory=list)
+    skipped: int = 0
+    _token: contextvars.Token | None = field(default=None, repr=False)
+
+    def __enter__(self) -> BlockCounter:
+        self._token = _COUNTERS.set(_COUNTERS.get() + (self,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _COUNTERS.reset(self._token)
+        self._token = None
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs computed (rows x columns, per batch and head)."""
+        return sum(r * c for r, c in self.computed)
+
+
+def _size(sel: Selector, n: int) -> int:
+    return len(range(n)[sel]) if isinstance(sel, slice) else int(sel.numel())
+
+
+def record_block(block: Block | None, layout: SeqLayout) -> None:
+    """Count a forward block (``None``: skipped) in every active :class:`BlockCounter`."""
+    for counter in _COUNTERS.get():
+        if block is None:
+            counter.skipped += 1
+        else:
+            n = layout.local_tokens
+            counter.computed.append((_size(block.rows, n), _size(block.cols, n)))
+
+
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
     """``x`` restricted to the tokens ``sel`` along ``dim``."""
     if isinstance(sel, slice):
@@ -40,8 +89,10 @@ def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
     return x.index_select(dim, sel)
 
 
-def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool) -> Block:
-    """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking)."""
+def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
+               window: Window = None) -> Block | None:
+    """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
+    ``None`` when ``window`` leaves no visible pair in it."""
     r, src = q_layout.position, kv_layout.position
     if not causal:
         rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), False
@@ -51,7 +102,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool) -> Block
         rows, cols, diag = q_layout.half("all"), kv_layout.half("first"), False
     else:
         rows, cols, diag = q_layout.half("second"), kv_layout.half("all"), False
-    if q_layout.is_dense:
+    if q_layout.is_dense and window is None:
         return Block(rows, cols, diag, None)
 
     def meta(layout: SeqLayout, sel: Selector):
@@ -62,4 +113,22 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool) -> Block
     mask = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
     if causal:
         mask &= k_pos[None, :] <= q_pos[:, None]
-    return Block(rows, cols, False, mask)
+    if window is None:
+        return Block(rows, cols, False, mask)
+    left, right = window
+    gap = q_pos[:, None] - k_pos[None, :]
+    if left >= 0:
+        mask &= gap <= left
+    if right >= 0:
+        mask &= -gap <= right
+    keep_rows, keep_cols = mask.any(1), mask.any(0)
+    if not bool(keep_rows.any()):
+        return None
+
+    def trimmed(sel: Selector, keep: torch.Tensor, n: int) -> torch.Tensor:
+        idx = torch.arange(n)[sel] if isinstance(sel, slice) else sel
+        return idx[keep]
+
+    n_local = q_layout.local_tokens
+    return Block(trimmed(rows, keep_rows, n_local), trimmed(cols, keep_cols, n_local), False,
+                 mask[keep_rows][:, keep_cols])

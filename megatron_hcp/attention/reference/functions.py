@@ -8,7 +8,8 @@
 * :class:`UlyssesAllToAll` - Ulysses all-to-all (scatter heads, gather sequence) and its
   inverse, each the other's backward.
 
-Tensors are ``[B, H, S, D]``; ``S`` is the local sequence in the two-halves layout of
+Tensors are ``[B, H, S, D]`` (V and the output may have their own head dim ``Dv``, as in MLA);
+``S`` is the local sequence in the two-halves layout of
 :class:`~.seq_layout.SeqLayout`.
 """
 
@@ -18,14 +19,17 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .blocks import Block, plan_block, take
+from .blocks import Block, Window, plan_block, record_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
 from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "UlyssesAllToAll"]
 
 
-def _on(block: Block, device: torch.device) -> Block:
+def _on(block: Block | None, device: torch.device) -> Block | None:
+    if block is None:
+        return None
+
     def move(x):
         return x if isinstance(x, slice) or x is None else x.to(device)
 
@@ -62,10 +66,11 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv):
             acc.index_add_(2, sel, grad)
 
 
-def _new_acc(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _new_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero output (in v's head dim) and ``-inf`` LSE accumulators for q's rows."""
     acc = acc_dtype(q.dtype)
     b, h, s, _ = q.shape
-    out = torch.zeros(b, h, s, q.shape[-1], dtype=acc, device=q.device)
+    out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     return out, lse
 
@@ -93,31 +98,34 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
-                scale: float):
+                scale: float, window: Window = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
-        out, lse = _new_acc(q)
+        out, lse = _new_acc(q, v)
         for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
-            kj, vj = _unpack(kv, k.shape, v.shape)
-            block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
-            _forward_block(q, kj, vj, block, scale, out, lse)
+            block = _on(plan_block(layout, layout.at(layout.cp, src), causal, window), q.device)
+            record_block(block, layout)
+            if block is not None:  # outside the window: pass the K/V on, compute nothing
+                kj, vj = _unpack(kv, k.shape, v.shape)
+                _forward_block(q, kj, vj, block, scale, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (layout, group, ranks, causal, scale)
+        ctx.meta = (layout, group, ranks, causal, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, ranks, causal, scale = ctx.meta
+        layout, group, ranks, causal, scale, window = ctx.meta
         dout = dout.contiguous()
         p, pos = len(ranks), layout.position
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         for src, kv in _ring_steps(_pack(k, v), group, ranks, pos):
-            kj, vj = _unpack(kv, k.shape, v.shape)
-            dk, dv = _unpack(dkv, k.shape, v.shape)
-            block = _on(plan_block(layout, layout.at(layout.cp, src), causal), q.device)
-            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+            block = _on(plan_block(layout, layout.at(layout.cp, src), causal, window), q.device)
+            if block is not None:
+                kj, vj = _unpack(kv, k.shape, v.shape)
+                dk, dv = _unpack(dkv, k.shape, v.shape)
+                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
             if p > 1:  # dK/dV of `src` travel on; after the last step ours come home
                 arrived = torch.empty_like(dkv)
                 works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + 1) % p],
@@ -126,19 +134,25 @@ class RingAttention(torch.autograd.Function):
                     w.wait()
                 dkv = arrived
         dk, dv = _unpack(dkv, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                None)
 
 
-def _source_groups(layout: SeqLayout, causal: bool) -> list[tuple[list[int], Block]]:
+def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool
+                   ) -> list[tuple[list[int], Block]]:
     """Sources of an all-gather grouped by identical block shape.
 
     With one dense sequence every past source meets all queries on its first half and every
     future source meets the second half of the queries on all of it: one kernel call per group
-    instead of one per source. Packed (masked) layouts keep one block per source.
+    instead of one per source. Packed (masked) layouts and windows keep one block per source;
+    sources a window sees nothing of are left out.
     """
     n = layout.cp
-    plans = [(src, plan_block(layout, layout.at(n, src), causal)) for src in range(n)]
-    if not layout.is_dense:
+    plans = [(src, plan_block(layout, layout.at(n, src), causal, window)) for src in range(n)]
+    for _src, plan in plans if record else ():  # forward only: BlockCounter counts forwards
+        record_block(plan, layout)
+    plans = [(src, plan) for src, plan in plans if plan is not None]
+    if not layout.is_dense or window is not None:
         return [([src], plan) for src, plan in plans]
     grouped: dict[tuple, list[tuple[int, Block]]] = {}
     for src, plan in plans:
@@ -169,17 +183,18 @@ class AllGatherAttention(torch.autograd.Function):
         return full.view(n, -1), work
 
     @staticmethod
-    def _ordered(layout: SeqLayout, causal: bool):
+    def _ordered(layout: SeqLayout, causal: bool, window: Window, record: bool = False):
         """Source groups, this rank's own first (it needs no gathered data)."""
-        groups = _source_groups(layout, causal)
+        groups = _source_groups(layout, causal, window, record)
         return sorted(groups, key=lambda g: g[0] != [layout.position])
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float):
+    def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float,
+                window: Window = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
-        out, lse = _new_acc(q)
-        for srcs, plan in AllGatherAttention._ordered(layout, causal):
+        out, lse = _new_acc(q, v)
+        for srcs, plan in AllGatherAttention._ordered(layout, causal, window, record=True):
             if srcs == [layout.position]:
                 kj, vj, block = k, v, _on(plan, q.device)
             else:
@@ -191,19 +206,19 @@ class AllGatherAttention(torch.autograd.Function):
         if work is not None:
             work.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (layout, group, causal, scale)
+        ctx.meta = (layout, group, causal, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, causal, scale = ctx.meta
+        layout, group, causal, scale, window = ctx.meta
         dout = dout.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
-        for srcs, plan in AllGatherAttention._ordered(layout, causal):
+        for srcs, plan in AllGatherAttention._ordered(layout, causal, window):
             plan = _on(plan, q.device)
             if srcs == [layout.position]:
                 kj, vj, block = k, v, plan
@@ -230,7 +245,7 @@ class AllGatherAttention(torch.autograd.Function):
         mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
         comm.reduce_scatter_tensor(mine, dkv_all.view(-1), group)
         dk, dv = _unpack(mine, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor) -> torch.Tensor:

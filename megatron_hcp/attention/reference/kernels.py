@@ -8,7 +8,8 @@ gradients are exact contributions to the full gradients.
 Unmasked and causal blocks run PyTorch's blockwise CPU flash kernel
 (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward); masked blocks (packed
 ``thd`` data) and devices without that kernel use an explicit math path. Rows with no visible key
-(padding) give output 0 and LSE ``-inf``, and no gradient.
+(padding) give output 0 and LSE ``-inf``, and no gradient. ``v`` may have its own head dim
+(MLA: ``Dv != D``); such blocks take the math path (the flash kernel needs one head dim).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx if h == kv_heads else dx.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _use_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    return mask is None and q.device.type == "cpu"
+def _use_flash(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """The CPU flash kernel takes no mask and one head dim for q, k and v (not MLA shapes)."""
+    return mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
 def _math_scores(q, k, scale, causal, mask):
@@ -58,14 +60,14 @@ def block_forward(
     causal: bool = False,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` [B,H,Sq,D] on ``k``/``v`` [B,Hkv,Sk,D]; returns (out, lse).
+    """Attention of ``q`` [B,H,Sq,D] on ``k`` [B,Hkv,Sk,D], ``v`` [B,Hkv,Sk,Dv]; (out, lse).
 
     ``causal`` is top-left aligned (query i sees keys <= i); ``mask`` [Sq, Sk] marks visible
     pairs. ``out`` has q's dtype (flash) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    if _use_flash(q, mask):
+    if _use_flash(q, v, mask):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
         )
@@ -91,12 +93,12 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the final ``out``/``lse`` of its query rows.
 
-    Returns (dq [B,H,Sq,D], dk, dv [B,Hkv,Sk,D]) in the accumulation dtype.
+    Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype.
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = acc_dtype(q.dtype)
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
-    if _use_flash(q, mask):
+    if _use_flash(q, v, mask):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(),
             q.contiguous(),

@@ -14,14 +14,21 @@ from ...sharding import seq_lengths
 __all__ = ["full_attention"]
 
 
-def _attend(q, k, v, causal, scale):
-    # q [s, h, d], k/v [s, hkv, d]
+def _attend(q, k, v, causal, scale, window=None):
+    # q [s, h, d], k [s, hkv, d], v [s, hkv, dv]; window (left, right), -1 = unbounded
     reps = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = q.shape[0]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = torch.ones(s, s, dtype=torch.bool)
     if causal:
-        s = q.shape[0]
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        visible &= j <= i
+    if window is not None and window[0] >= 0:
+        visible &= j >= i - window[0]
+    if window is not None and window[1] >= 0:
+        visible &= j <= i + window[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -35,14 +42,18 @@ def full_attention(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Attention over whole (unsharded) tensors; ``thd`` padding rows give 0."""
+    """Attention over whole (unsharded) tensors; ``thd`` padding rows give 0. ``window_size``
+    ``(left, right)``: query i sees keys i-left .. i+right of its sequence (-1 = unbounded)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    w = window_size
     if qkv_format == "bshd":
-        return torch.stack([_attend(q[b], k[b], v[b], causal, scale) for b in range(q.shape[0])])
+        return torch.stack([_attend(q[b], k[b], v[b], causal, scale, w)
+                            for b in range(q.shape[0])])
     if qkv_format == "sbhd":
         out = full_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                             causal=causal, softmax_scale=scale)
+                             causal=causal, softmax_scale=scale, window_size=w)
         return out.transpose(0, 1)
     assert cu_seqlens is not None
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
@@ -50,7 +61,7 @@ def full_attention(
     start = 0
     for n, p in zip(seq_lengths(cu_seqlens), seq_lengths(padded)):
         sl = slice(start, start + n)
-        parts.append(_attend(q[sl], k[sl], v[sl], causal, scale))
+        parts.append(_attend(q[sl], k[sl], v[sl], causal, scale, w))
         parts.append(q.new_zeros((p - n, q.shape[1], v.shape[-1])))
         start += p
     return torch.cat(parts)
