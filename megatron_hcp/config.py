@@ -40,6 +40,7 @@ __all__ = [
     "parse_int",
     "parse_value",
     "parse_version",
+    "version_tuple",
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -51,6 +52,11 @@ def comm_type_or_default(cp_comm_type: str | None) -> str:
     """``cp_comm_type`` as megatron reads it: None means :data:`DEFAULT_CP_COMM_TYPE`."""
     return cp_comm_type or DEFAULT_CP_COMM_TYPE
 MIN_TE_VERSION_A2A_P2P = (1, 12)
+# Transformer Engine refused a2a+p2p with packed THD input (an assertion in
+# attn_forward_func_with_cp) up to its 2.18 release; its main branch dropped the gate in
+# commit 8ff60f8 (2026-08-04, "Enable THD with hierarchical context parallelism", 2.20.0.dev0).
+# Dynamic CP always packs THD, so dynamic HCP on TE needs the first release with that commit.
+MIN_TE_VERSION_A2A_P2P_THD = (2, 20)
 Backend = Literal["auto", "te", "reference"]
 
 
@@ -81,13 +87,17 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
+def version_tuple(version: str) -> tuple[int, ...]:
+    """Numeric release parts of a version text: ``"2.20.0.dev0+abc"`` -> ``(2, 20, 0)``,
+    ``"2.20rc1"`` -> ``(2, 20)``; a pre-release compares like its release."""
     parts = []
     for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
+        match = re.match(r"[0-9]+", piece)
+        if match is None:
             break
-        parts.append(int(digits))
+        parts.append(int(match.group()))
+        if match.end() != len(piece):
+            break
     return tuple(parts)
 
 
@@ -460,6 +470,15 @@ class CPConfig:
     def _check_te(self, out: list[Violation], advice: list[str]) -> None:
         if self.backend != "te" or not self.uses_hierarchical:
             return
+        if self.dynamic and isinstance(self.te_version, str) and _VERSION_TEXT.fullmatch(
+                self.te_version.strip()) and (
+                version_tuple(self.te_version) < MIN_TE_VERSION_A2A_P2P_THD):
+            need = ".".join(map(str, MIN_TE_VERSION_A2A_P2P_THD))
+            out.append(Violation(
+                "te_version", self.te_version,
+                f"dynamic CP packs THD micro-batches, and Transformer Engine runs a2a+p2p with "
+                f"THD only from {need} (backend te)",
+                f"upgrade transformer-engine to >= {need}, or use cp_attention_backend=reference"))
         if self.te_version is None:
             out.append(
                 Violation(
@@ -471,7 +490,7 @@ class CPConfig:
             )
         elif isinstance(self.te_version, str) and _VERSION_TEXT.fullmatch(
                 self.te_version.strip()) and (
-                _version_tuple(self.te_version) < MIN_TE_VERSION_A2A_P2P):
+                version_tuple(self.te_version) < MIN_TE_VERSION_A2A_P2P):
             out.append(
                 Violation(
                     "te_version",

@@ -22,8 +22,9 @@ import torch
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
 
-__all__ = ["TEUnavailableError", "have_te", "make_te_forward", "make_te_init",
-           "rebind_te_cp_groups", "te_attention_class", "te_unavailable_reason"]
+__all__ = ["TEUnavailableError", "have_te", "installed_te_version", "make_te_forward",
+           "make_te_init", "rebind_te_cp_groups", "require_te_feature", "te_attention_class",
+           "te_unavailable_reason"]
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -67,6 +68,47 @@ def have_te() -> bool:
         logger.warning("Transformer Engine is unusable (%s); the reference CP attention "
                        "backend is used instead", reason)
     return reason is None
+
+
+def installed_te_version() -> str | None:
+    """The installed Transformer Engine's version (``transformer_engine.__version__`` when it is
+    imported, else the distribution's metadata), or None."""
+    import importlib.metadata
+    import sys
+
+    te = sys.modules.get("transformer_engine")
+    version = getattr(te, "__version__", None)
+    if isinstance(version, str):
+        return version
+    for dist_name in ("transformer-engine", "transformer_engine"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def require_te_feature(groups: CPGroups, packed_seq_params: Any, te_version: str | None) -> None:
+    """Refuse, before TE is called, a CP call the installed TE asserts on.
+
+    a2a+p2p with packed THD input: TE up to 2.18 refuses it inside its forward (see
+    :data:`~megatron_hcp.config.MIN_TE_VERSION_A2A_P2P_THD`); dynamic hierarchical CP always
+    hits it. No CP, flat groups and bshd/sbhd input pass.
+    """
+    from ..config import MIN_TE_VERSION_A2A_P2P_THD, version_tuple
+
+    if not groups.enabled or not isinstance(groups.group, list):
+        return
+    if getattr(packed_seq_params, "qkv_format", None) != "thd":
+        return
+    if te_version is not None and version_tuple(te_version) >= MIN_TE_VERSION_A2A_P2P_THD:
+        return
+    need = ".".join(map(str, MIN_TE_VERSION_A2A_P2P_THD))
+    raise TEUnavailableError(
+        f"cp_comm_type=a2a+p2p with packed THD input (qkv_format='thd'"
+        f"{', a dynamic-CP micro-batch' if groups.dynamic else ''}) needs Transformer Engine "
+        f">= {need}; installed: {te_version or 'unknown'}. Upgrade transformer-engine, or use "
+        "the reference backend, or cp_comm_type=a2a / p2p for this model")
 
 
 def _apply_te_groups(module: Any, groups: CPGroups) -> None:
@@ -130,12 +172,16 @@ def make_te_forward(original_forward):
     def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if not uses_dynamic_cp(packed_seq_params):
+            require_te_feature(self._cp_resolution[2], packed_seq_params,
+                               installed_te_version())
             return original_forward(self, query, key, value, attention_mask, attn_mask_type,
                                     attention_bias=attention_bias,
                                     packed_seq_params=packed_seq_params, **kwargs)
         pg_collection, comm_type, static = self._cp_resolution
-        _apply_te_groups(self, resolve_cp_groups(
-            self.config.context_parallel_size, comm_type, pg_collection, packed_seq_params))
+        groups = resolve_cp_groups(self.config.context_parallel_size, comm_type, pg_collection,
+                                   packed_seq_params)
+        require_te_feature(groups, packed_seq_params, installed_te_version())
+        _apply_te_groups(self, groups)
         # upstream forward would switch groups again and never restore them: hide the fields
         stripped = copy.copy(packed_seq_params)
         stripped.cp_group = None

@@ -47,6 +47,10 @@ BAD = [
     (dict(context_parallel_size=4, cp_comm_type="a2a+p2p",
           hierarchical_context_parallel_sizes=[2, 2], cp_attention_backend="te"),
      "te_version", ">= 1.12"),
+    (dict(context_parallel_size=4, data_parallel_size=2, cp_comm_type="a2a+p2p",
+          hierarchical_context_parallel_sizes=[2, 2], dynamic_context_parallel=True,
+          max_seqlen_per_dp_cp_rank=512, cp_attention_backend="te", te_version="2.18.0"),
+     "te_version", "THD only from 2.20"),
     (dict(cp_comm_type=["p2p", "a2a"], num_layers=3), "cp_comm_type", "num_layers=3 entries"),
     (dict(cp_comm_type=["p2p", "a2a"]), "cp_comm_type", "needs num_layers"),
     (dict(cp_comm_type="ring"), "cp_comm_type", "unknown comm type"),
@@ -203,8 +207,13 @@ def oracle_is_valid(c: dict) -> bool:
         m = c["min_dynamic_context_parallel_size"]
         if m & (m - 1) or m > n or n < 2 or n & (n - 1) or c["max_seqlen_per_dp_cp_rank"] <= 0:
             return False
-        if uses_h:
-            return False
+        if uses_h:  # dynamic hierarchical CP: an a2a level that tiles aligned blocks
+            a = hcp[0]
+            if len(types) > 1 or a < 2 or a & (a - 1) or a > n:
+                return False
+            release = tuple(int(x) for x in c["te_version"].split(".")) if te else ()
+            if te and release < (2, 20):  # TE refuses a2a+p2p with THD before 2.20
+                return False
     return True
 
 
@@ -230,7 +239,7 @@ def configs(draw):
         dynamic_context_parallel=draw(st.booleans()),
         min_dynamic_context_parallel_size=draw(st.sampled_from([1, 2, 3, 4, 16])),
         max_seqlen_per_dp_cp_rank=draw(st.sampled_from([0, 512])),
-        te_version=draw(st.sampled_from([None, "1.11", "1.12", "2.8"])),
+        te_version=draw(st.sampled_from([None, "1.11", "1.12", "2.8", "2.20"])),
     )
 
 

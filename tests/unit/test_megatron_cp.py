@@ -247,6 +247,47 @@ def te_contract():
     return True
 
 
+def te_thd_gate(version):
+    """TE before 2.20 asserts on a2a+p2p with THD: the wrapper refuses first, by name."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hcp.attention import te as te_mod
+
+    full, mine, other, created = make_test_groups()
+    cls = type("Gated", (RecordingTE,), {"__init__": te_mod.make_te_init(RecordingTE.__init__),
+                                          "forward": te_mod.make_te_forward(RecordingTE.forward)})
+    cls.cp_stream = "stream"
+    pgc = SimpleNamespace(tp=None, cp=full, hcp=[mine, other])
+    module = cls(SimpleNamespace(context_parallel_size=4), 1, None, "self",
+                 cp_comm_type="a2a+p2p", pg_collection=pgc)
+    thd, bshd = PackedSeqParams(qkv_format="thd"), PackedSeqParams(qkv_format="bshd")
+    dynamic = PackedSeqParams(qkv_format="thd", cp_group=full, local_cp_size=4)
+    dynamic.hierarchical_cp_groups = [mine, other]  # as dynamic_cp.packing sets it
+    results = []
+    with mock.patch.object(te_mod, "installed_te_version", return_value=version):
+        for params in (thd, bshd, dynamic):
+            calls = len(module.calls)
+            try:
+                module.forward(None, None, None, None, None, packed_seq_params=params)
+                results.append("ran")
+            except te_mod.TEUnavailableError as err:
+                assert "a2a+p2p" in str(err) and "2.20" in str(err) and version in str(err)
+                assert len(module.calls) == calls  # refused before TE got new groups
+                results.append("refused")
+    destroy_groups(created)
+    return results
+
+
+def test_te_refuses_hierarchical_thd_before_2_20(world):
+    old, new = world.run(te_thd_gate, "2.18.0"), world.run(te_thd_gate, "2.20.0")
+    # static hcp with THD, with bshd, and a dynamic micro-batch on its hierarchical levels
+    assert old == [["refused", "ran", "refused"]] * WORLD, old
+    assert new == [["ran", "ran", "ran"]] * WORLD, new
+
+
 def test_te_wrappers_hand_te_the_resolved_groups_and_restore(world):
     assert world.run(te_contract) == [True] * WORLD
 
