@@ -117,6 +117,7 @@ class RecipeResult:
     cp1_loss: dict[int, float] | None = None
     resumed_loss: dict[int, float] | None = None
     resume_step: int | None = None
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # rank 0's, per step
 
 
 def _run_with_resume(recipe: Recipe, steps: int, echo, launch: Launch | None = None
@@ -168,6 +169,7 @@ def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invarianc
     else:
         metrics = run_recipe(recipe, steps=n, echo=echo, launch=launch)
     result.loss = dict(metrics["lm loss"])
+    result.metrics = metrics
     if golden is not None:
         result.golden_loss = {int(k): float(v) for k, v in golden["lm loss"]["values"].items()}
         result.golden = compare(metrics, golden)

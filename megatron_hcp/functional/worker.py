@@ -14,10 +14,30 @@ import resource
 import sys
 
 
-def _metrics(history: dict, first_step: int) -> dict:
-    """Per-step metrics keyed like megatron's (steps numbered from 1)."""
+def _cp_group_metrics(histories: list[dict]) -> dict[str, list[float]]:
+    """Per step, over every rank's dynamic-CP record: the largest CP group any micro-batch
+    used and how many hierarchical (a2a x p2p) groups ran. Empty without dynamic CP."""
+    steps = len(histories[0].get("local_cp_sizes", []))
+    if not any(s is not None for h in histories for step in h["local_cp_sizes"] for s in step):
+        return {}
+    largest, hierarchical = [], []
+    for step in range(steps):
+        sizes = [s or 1 for h in histories for s in h["local_cp_sizes"][step]]
+        largest.append(float(max(sizes, default=1)))
+        # each group is seen by each of its ranks: count a rank as 1/size of its group
+        hierarchical.append(float(round(sum(
+            1 / (s or 1) for h in histories
+            for s, lv in zip(h["local_cp_sizes"][step], h["cp_levels"][step]) if lv))))
+    return {"max-cp-group-size": largest, "hierarchical-cp-groups": hierarchical}
+
+
+def _metrics(history: dict, first_step: int, histories: list[dict]) -> dict:
+    """Per-step metrics keyed like megatron's (steps numbered from 1); ``histories``: every
+    rank's history, for the dynamic-CP group metrics."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     steps = range(first_step + 1, first_step + 1 + len(history["loss"]))
+    groups = {name: dict(zip(steps, values))
+              for name, values in _cp_group_metrics(histories).items()}
     return {
         "lm loss": dict(zip(steps, history["loss"])),
         "num-zeros": dict(zip(steps, history["num_zeros"])),
@@ -26,6 +46,7 @@ def _metrics(history: dict, first_step: int) -> dict:
         "mem-allocated-bytes": dict(zip(steps, [float(rss)] * len(history["loss"]))),
         "grad norm": dict(zip(steps, history["grad_norm"])),
         "micro-batches": dict(zip(steps, history["micro_batches"])),
+        **groups,
     }
 
 
@@ -97,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                 history = train_tiny_gpt(spec, on_step=progress)
             finally:
                 destroy_model_parallel()
+        record = {k: history.get(k, []) for k in ("local_cp_sizes", "cp_levels")}
+        histories: list = [None] * dist.get_world_size()
+        dist.all_gather_object(histories, record)  # trusted: this job's own ranks
         if rank == 0:
             with open(opts.out, "w", encoding="utf-8") as fh:
-                json.dump(_metrics(history, opts.resume_from or 0), fh, indent=1)
+                json.dump(_metrics(history, opts.resume_from or 0, histories), fh, indent=1)
     finally:
         dist.destroy_process_group()
     return 0

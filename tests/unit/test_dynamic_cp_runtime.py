@@ -226,7 +226,9 @@ def test_dynamic_cp_trains_like_static_cp_and_no_cp(world, no_cp, tp, cp, pp, vp
 
 @pytest.mark.parametrize("tp, cp, pp, hcp, decentralized", [
     (1, 4, 1, [2, 2], False),  # DP2 x CP4: dynamic groups up to 8 = a2a 2 x p2p 4
-    (1, 8, 1, [4, 2], True),   # decentralized collection, a2a level 4
+    (1, 8, 1, [2, 4], False),  # CP8 [2, 4]
+    # decentralized collection; a2a level 4 over 2 KV heads: each KV head replicated twice
+    (1, 8, 1, [4, 2], True),
     (2, 4, 1, [2, 2], False),  # TP2 x DPxCP 4
     (1, 2, 2, [2, 1], False),  # PP2 x DPxCP 4
 ])
@@ -243,6 +245,19 @@ def test_dynamic_hierarchical_cp_trains_like_no_cp(world, tp, cp, pp, hcp, decen
     a = hcp[0]
     assert any(lv == (a, s // a) for s, lv in used if s and s > a), used  # hierarchical
     assert all(lv is None for s, lv in used if not s or s <= a), used  # flat at most a
+
+
+def test_micro_batch_mixing_hierarchical_a2a_and_single_ranks(world):
+    """One micro-batch: a 4-rank group on levels a2a 2 x p2p 2, a 2-rank pure a2a group and
+    single ranks, side by side on DPxCP 8; equal to no CP."""
+    lengths = [150, 80, 40, 44, 36, 30, 20, 24]  # cap 48: 150 needs 4 ranks, 80 needs 2
+    runs = world.run(train, 1, 4, 1, True, hcp=[2, 2], lengths=lengths, cap=48, steps=2)
+    first = [(run["local_cp_sizes"][0], run["cp_levels"][0]) for run in runs]
+    mixed = [j for j in range(len(first[0][0]))
+             if {(sizes[j], tuple(levels[j]) if levels[j] else None) for sizes, levels in first}
+             >= {(4, (2, 2)), (2, None), (1, None)}]
+    assert mixed, first
+    assert_same(runs, world.run(train, 1, 1, 1, False, lengths=lengths, steps=2)[0])
 
 
 def test_vpp_when_every_micro_batch_is_in_warm_up(world):
