@@ -49,10 +49,13 @@ class MicroBatch:
     packed_seq_params: Any = None
 
 
-def padded_length(length: int, cp_size: int) -> int:
+def padded_length(length: int, cp_size: int, multiple: int = 1) -> int:
     """Length of one sequence after padding for ``cp_size`` CP ranks: the next multiple of
-    ``2 * cp_size`` (also for 1: the attention's two-halves layout)."""
-    unit = 2 * max(1, cp_size)
+    ``2 * cp_size`` (also for 1: the attention's two-halves layout), times ``multiple`` (the TP
+    size under sequence parallelism, which splits each rank's tokens over the TP ranks)."""
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple} must be >= 1")
+    unit = 2 * max(1, cp_size) * multiple
     return -(-length // unit) * unit
 
 

@@ -117,6 +117,10 @@ EDITS: dict[str, list] = {
     "cpu-optimizer-device": _torch_view_edit("cpu-optimizer-device"),
     "cpu-grad-norm-device": _torch_view_edit("cpu-grad-norm-device"),
     "cpu-mtp-loss-tracker": _torch_view_edit("cpu-mtp-loss-tracker"),
+    "cpu-sequence-parallel": [
+        _append(f"megatron/core/tensor_parallel/{name}.py",
+                _view_tail("cpu-sequence-parallel", by_name(["cpu-sequence-parallel"])[0].summary))
+        for name in ("mappings", "layers")],
     "cpu-rope-cp-index": [(
         "megatron/core/models/common/embeddings/rope_utils.py",
         '''    cp_idx = torch.tensor(

@@ -18,14 +18,16 @@ __all__ = ["pack_thd"]
 
 
 def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: Any = None,
-             *, dynamic: bool = False, levels: list[Any] | None = None) -> MicroBatch:
+             *, dynamic: bool = False, levels: list[Any] | None = None,
+             pad_multiple: int = 1) -> MicroBatch:
     """Pack ``samples`` (each ``[3, L]``) for CP rank ``cp_rank`` of ``cp_size``.
 
     ``dynamic`` sets ``local_cp_size``/``cp_group`` in the ``PackedSeqParams`` (the per
     micro-batch group of dynamic CP); otherwise the model's static CP group applies. ``levels``
     (dynamic hierarchical CP) are the group's ``[a2a, p2p]`` level groups, carried as
     ``PackedSeqParams.hierarchical_cp_groups`` (``cp_group`` stays the flat group: RoPE and MTP
-    read positions from it).
+    read positions from it). ``pad_multiple``: sequences are padded to a multiple of
+    ``2 * cp_size * pad_multiple`` (the TP size under sequence parallelism).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -34,7 +36,7 @@ def pack_thd(samples: list[torch.Tensor], cp_size: int, cp_rank: int, cp_group: 
     if cp_size > 1 and not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} outside a CP group of {cp_size}")
     lengths = [int(s.shape[1]) for s in samples]
-    padded = [padded_length(n, cp_size) for n in lengths]
+    padded = [padded_length(n, cp_size, pad_multiple) for n in lengths]
     total = sum(padded)
     data = torch.zeros(3, total, dtype=torch.int64)
     positions = torch.zeros(total, dtype=torch.int64)

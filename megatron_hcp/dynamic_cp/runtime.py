@@ -60,7 +60,8 @@ class DynamicCPDataPath:
     with interleaved VPP). ``hardware``: plans are ranked by projected step time, compute plus
     exposed CP ring traffic (default: :class:`~.projection.Hardware`'s assumed H100-class
     numbers), because under FLOPs alone splitting a short sequence over many ranks looks free;
-    ``None`` ranks them by FLOPs makespan.
+    ``None`` ranks them by FLOPs makespan. ``sequence_parallel``: sequences are padded so that
+    every rank's packed tokens split evenly over the TP ranks.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class DynamicCPDataPath:
         workload: GPTWorkload | None = None,
         micro_batch_multiple: int = 1,
         hardware: Hardware | None = _DEFAULT_HARDWARE,
+        sequence_parallel: bool = False,
     ):
         self.groups = groups
         self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
@@ -83,6 +85,8 @@ class DynamicCPDataPath:
         self.workload = workload or GPTWorkload()
         self.multiple = int(micro_batch_multiple)
         self.hardware = hardware
+        # sequence parallelism splits each rank's packed tokens over the TP ranks
+        self.pad_multiple = dist.get_world_size(tp_group) if sequence_parallel else 1
         self.position = groups.position
         self.tp_src = dist.get_process_group_ranks(tp_group)[0]
         self.is_tp_src = dist.get_rank() == self.tp_src
@@ -176,14 +180,16 @@ class DynamicCPDataPath:
         for mb in plan.micro_batches:
             group = next((g for g in mb.groups if self.position in g.ranks), None)
             if group is None:  # idle in this micro-batch
-                out.append(pack_thd([torch.zeros(3, 2, dtype=torch.int64)], 1, 0, dynamic=True))
+                out.append(pack_thd([torch.zeros(3, 2, dtype=torch.int64)], 1, 0, dynamic=True,
+                                    pad_multiple=self.pad_multiple))
                 continue
             size = len(group.ranks)
             samples = [have[s] if self.is_tp_src else torch.zeros(3, lengths[s], dtype=torch.int64)
                        for s in group.samples]
             out.append(pack_thd(samples, size, self.position - group.ranks[0],
                                 self.groups.group(size), dynamic=True,
-                                levels=self.groups.levels(size)))
+                                levels=self.groups.levels(size),
+                                pad_multiple=self.pad_multiple))
         if dist.get_world_size(self.tp_group) > 1:
             for mb in out:
                 payload = torch.stack([mb.tokens[0], mb.labels[0], mb.loss_mask[0].long()])

@@ -27,6 +27,7 @@ import yaml
 
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
 from ..data import data_dir
+from ..training.data import CORPORA
 from ..training.trainer import TinyGPTSpec, VarLen
 
 __all__ = ["LOADER_ENV_VARS", "Recipe", "RECIPES_DIR", "TEST_TYPES", "list_recipes",
@@ -56,6 +57,7 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--seed": ("seed", _INT),
     "--vocab-size": ("vocab_size", _INT),
     "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", _INT),
+    "--sequence-parallel": ("sequence_parallel", _BOOL),
     "--group-query-attention": (None, _BOOL),
     "--max-position-embeddings": (None, _INT),
     "--tokenizer-type": (None, "str"),
@@ -70,6 +72,7 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--mock-mean-seqlen": (None, _FLOAT),
     "--mock-seqlen-sigma": (None, _FLOAT),
     "--mock-samples-per-micro-batch": (None, _INT),
+    "--mock-corpus": (None, "str"),  # motif (default) or markov: a corpus the model learns
 }
 _CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "seq_length",
                      "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -217,8 +220,16 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Re
             spec_kwargs[name] = value
     if values.get("--untie-embeddings-and-output-weights") is not True:
         spec_kwargs["share_embeddings_and_output_weights"] = True
+    corpus = values.get("--mock-corpus", "motif")
+    if corpus not in CORPORA or (
+            "--mock-corpus" in values and not values.get("--mock-variable-seq-lengths")):
+        raise CPConfigError([Violation(
+            "--mock-corpus", corpus,
+            f"must be one of {', '.join(CORPORA)}, with --mock-variable-seq-lengths: true",
+            "e.g. --mock-corpus: markov next to --mock-variable-seq-lengths: true")])
     if values.get("--mock-variable-seq-lengths"):
         spec_kwargs["varlen"] = VarLen(
+            corpus=corpus,
             min_len=values.get("--mock-min-seqlen", 16),
             max_len=values.get("--mock-max-seqlen", 256),
             mean=values.get("--mock-mean-seqlen", 64.0),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = [
     "dynamic_cp_groups",
     "forget_stale_groups",
     "initialize_model_parallel",
+    "megatron_memory_buffer",
     "mpu_groups_by_field",
 ]
 
@@ -263,3 +266,24 @@ def mpu_groups_by_field() -> dict[str, Any]:
 
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     return {f.name: getattr(pgc, f.name, None) for f in fields(pgc)}
+
+
+@contextmanager
+def megatron_memory_buffer() -> Iterator[None]:
+    """megatron's global memory buffer for the duration of a block, when nothing set it.
+
+    megatron's TP layers take their sequence-parallel all-gather buffer from
+    ``parallel_state.get_global_memory_buffer()``, which only ``initialize_model_parallel``
+    creates; a model built on a decentralized process-group collection would assert there.
+    Created here (and destroyed afterwards) only when absent, so an MPU run keeps its own.
+    """
+    from megatron.core import parallel_state as ps
+
+    created = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None
+    if created:
+        ps._set_global_memory_buffer()
+    try:
+        yield
+    finally:
+        if created:
+            ps.destroy_global_memory_buffer()

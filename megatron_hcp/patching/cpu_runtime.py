@@ -261,6 +261,19 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
         "the multi-token-prediction loss tracker lives on the CPU",
     ),
     Patch(
+        name="cpu-sequence-parallel",
+        summary="sequence-parallel all-gather and reduce-scatter buffers on the CPU",
+        upstream="megatron/core/tensor_parallel/mappings.py:91,141,148,181,442 and "
+        "layers.py:552 (LinearWithGradAccumulationAndAsyncCommunication.backward) buffers on "
+        "torch.cuda.current_device()",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.tensor_parallel.mappings", "torch", CpuDeviceTorch),
+            Target("megatron.core.tensor_parallel.layers", "torch", CpuDeviceTorch),
+        ),
+        category="cpu-runtime",
+    ),
+    Patch(
         name="cpu-rope-cp-index",
         summary="RoPE CP slicing without pinned memory or .cuda()",
         upstream="megatron/core/models/common/embeddings/rope_utils.py:62-64 "

@@ -37,7 +37,7 @@ SERIES: tuple[str, ...] = (
     "cpu-mtp-loss-tracker", "cpu-rope-cp-index", "cpu-rng-tracker", "cpu-tied-embedding-sync",
     "attention-dynamic-cp-rope", "cross-entropy-model-tp-group", "destroy-forgets-stale-groups",
     "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
-    "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr",
+    "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr", "cpu-sequence-parallel",
 )
 
 

@@ -14,8 +14,10 @@ import torch
 from ..sharding import MicroBatch, get_local_chunk
 
 __all__ = [
+    "CORPORA",
     "MicroBatch",
     "global_batch",
+    "markov_sample",
     "static_cp_micro_batches",
     "varlen_lengths",
     "varlen_sample",
@@ -89,3 +91,28 @@ def varlen_sample(seed: int, step: int, sample_id: int, length: int, vocab: int
     mask = torch.ones(length, dtype=torch.int64)
     mask[: min(2, length)] = 0
     return torch.stack([text[:-1], text[1:], mask])
+
+
+CORPORA = ("motif", "markov")  # varlen mock corpora: per-sample motifs, a shared Markov chain
+MARKOV_STAY = 0.85  # probability that a token is followed by its fixed successor
+
+
+def markov_sample(seed: int, step: int, sample_id: int, length: int, vocab: int
+                  ) -> torch.Tensor:
+    """Like :func:`varlen_sample`, from a Markov chain every sample shares: token ``t`` is
+    followed by its successor ``succ[t]`` (a permutation drawn from ``seed`` alone) with
+    probability :data:`MARKOV_STAY`, else by a uniform token. A model learns the successor table
+    within tens of steps (entropy ~1.1 nats per token at vocab 128, against ln(vocab) = 4.85
+    before), so the loss visibly falls; the text itself depends on (seed, step, sample)."""
+    succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed * 7_919 + 17))
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + sample_id)
+    jump = (torch.rand(length + 1, generator=gen) >= MARKOV_STAY).tolist()
+    noise = torch.randint(0, vocab, (length + 1,), generator=gen).tolist()
+    table = succ.tolist()
+    text = [noise[0]]
+    for i in range(1, length + 1):
+        text.append(noise[i] if jump[i] else table[text[-1]])
+    tokens = torch.tensor(text, dtype=torch.int64)
+    mask = torch.ones(length, dtype=torch.int64)
+    mask[: min(2, length)] = 0
+    return torch.stack([tokens[:-1], tokens[1:], mask])

@@ -20,7 +20,15 @@ import torch.distributed as dist
 from ..attention.module import gpt_layer_spec
 from ..config import CPConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .data import global_batch, static_cp_micro_batches, varlen_lengths, varlen_sample
+from .data import (
+    CORPORA,
+    global_batch,
+    markov_sample,
+    static_cp_micro_batches,
+    varlen_lengths,
+    varlen_sample,
+)
+from .norm import with_sequence_parallel_norms
 
 __all__ = ["TinyGPTSpec", "VarLen", "train_tiny_gpt"]
 
@@ -36,6 +44,11 @@ class VarLen:
     sigma: float = 1.2
     samples_per_micro_batch: int = 1
     lengths: list[int] | None = None  # fixed lengths for every step (instead of drawing them)
+    corpus: str = "motif"  # "motif" (per-sample repeated motifs) or "markov" (data.CORPORA)
+
+    def __post_init__(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ValueError(f"varlen corpus={self.corpus!r}: use one of {', '.join(CORPORA)}")
 
 
 _CP_FIELDS = frozenset(CPConfig.field_names())
@@ -62,6 +75,7 @@ class TinyGPTSpec:
     lr: float = 1e-3
     seed: int = 1234
     share_embeddings_and_output_weights: bool = False
+    sequence_parallel: bool = False  # megatron's; norms become SequenceParallelTorchNorm
     attention_backend: str = "reference"
     virtual_pipeline_model_parallel_size: int | None = None
     varlen: VarLen | None = None
@@ -121,6 +135,7 @@ def _transformer_config(spec: TinyGPTSpec):
         batch_p2p_sync=False,
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
+        sequence_parallel=spec.sequence_parallel,
         **spec.extra_config,
     )
 
@@ -209,9 +224,18 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
                 config, gpt_layer_spec(spec.attention_backend), use_transformer_engine=False,
                 vp_stage=vp if spec.virtual_pipeline_model_parallel_size else None,
                 pp_rank=pp_rank)
+        layers = gpt_layer_spec(spec.attention_backend)
+        if config.sequence_parallel:
+            if mtp is not None:
+                raise ValueError("sequence_parallel=True with mtp_num_layers: the MTP block's "
+                                 "norms on the local spec refuse sequence parallelism; turn one "
+                                 "of them off")
+            layers = with_sequence_parallel_norms(
+                layers, config, vp if spec.virtual_pipeline_model_parallel_size else None,
+                pp_rank)
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=gpt_layer_spec(spec.attention_backend),
+            transformer_layer_spec=layers,
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=pp_rank == 0 and vp == 0,
@@ -253,6 +277,14 @@ class _StepData:
         self.dp_size, self.dp_rank = pgs.dp.size(), pgs.dp.rank()
         self.cp_size, self.cp_rank = pgs.cp.size(), pgs.cp.rank()
         self.path = None
+        tp = spec.tensor_model_parallel_size
+        if spec.sequence_parallel and spec.varlen is None and (
+                spec.seq_length // max(1, self.cp_size)) % tp:
+            raise ValueError(
+                f"sequence_parallel=True: seq_length={spec.seq_length} / "
+                f"context_parallel_size={self.cp_size} tokens per rank must divide by "
+                f"tensor_model_parallel_size={tp} (sequence parallelism splits them over the "
+                f"TP ranks); use a seq_length that is a multiple of {2 * self.cp_size * tp}")
         if spec.dynamic_context_parallel:
             from ..dynamic_cp.runtime import DynamicCPDataPath
             from ..patching import DYNAMIC_CP_PATCHES, require_applied
@@ -270,7 +302,7 @@ class _StepData:
                 workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                      num_attention_heads=spec.num_attention_heads,
                                      num_query_groups=spec.num_query_groups),
-                micro_batch_multiple=multiple)
+                micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel)
         rows = spec.global_batch_size
         unit = spec.micro_batch_size * self.dp_size if spec.varlen is None else self.dp_size
         if rows % unit:
@@ -296,14 +328,16 @@ class _StepData:
         ids = range(self.dp_rank * per, (self.dp_rank + 1) * per)
 
         def load(i: int) -> torch.Tensor:
-            return varlen_sample(spec.seed, step, i, lengths[i], spec.vocab_size)
+            sample = markov_sample if v.corpus == "markov" else varlen_sample
+            return sample(spec.seed, step, i, lengths[i], spec.vocab_size)
 
         if self.path is not None:
             _, micro = self.path.step(ids, load)
             return micro
         samples = [load(i) for i in ids]
         k = v.samples_per_micro_batch
-        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank)
+        tp = spec.tensor_model_parallel_size if spec.sequence_parallel else 1
+        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp)
                 for j in range(0, len(samples), k)]
 
 
@@ -332,8 +366,15 @@ def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
                    on_step: Any = None) -> dict[str, list[float]]:
     """Build, train ``spec.steps`` steps and return ``{"loss": [...], "grad_norm": [...],
     "num_zeros": [...], "micro_batches": [...], "local_cp_sizes": [...], "cp_levels": [...]}``;
-    all but the last
-    (this rank's CP group size per micro-batch) are identical on every rank."""
+    all but the last two (this rank's CP group size and levels per micro-batch) are identical
+    on every rank."""
+    from ..parallel_state.mpu import megatron_memory_buffer
+
+    with megatron_memory_buffer():  # SP's gather buffer, also on a decentralized collection
+        return _train(spec, pg_collection, on_step)
+
+
+def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, list[float]]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

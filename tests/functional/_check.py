@@ -11,7 +11,7 @@ from megatron_hcp.functional.plot import plot_result
 CP1_RUNS: dict = {}
 
 
-def assert_recipe_passes(name: str, plot_dir: Path | None = None) -> None:
+def assert_recipe_passes(name: str, plot_dir: Path | None = None):
     """Run and check ``name``; with ``plot_dir`` also write its loss plot and check the PNG."""
     result = check_recipe(name, echo=None, cp1_cache=CP1_RUNS)
     report = "\n".join(result.lines)
@@ -22,3 +22,4 @@ def assert_recipe_passes(name: str, plot_dir: Path | None = None) -> None:
         path = plot_result(result, plot_dir)
         assert path == plot_dir / f"{name}.png"
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    return result

@@ -34,6 +34,11 @@ def test_every_shipped_recipe_parses_to_a_valid_config():
     flat = dcp.with_cp1()
     assert flat.config.context_parallel_size == 1 and flat.config.data_parallel_size == 4
     assert not flat.spec.dynamic_context_parallel
+    # faithful to upstream's dcp recipe: ckpt-resume, SP on, a corpus the model learns
+    assert dcp.test_type == "ckpt-resume" and dcp.spec.varlen.corpus == "markov"
+    for name in names:  # every TP recipe runs with sequence parallelism, like upstream's
+        recipe = load_recipe(RECIPES_DIR / name)
+        assert recipe.spec.sequence_parallel == (recipe.config.tensor_model_parallel_size > 1)
 
 
 @pytest.mark.parametrize("args, parameter", [
@@ -46,6 +51,8 @@ def test_every_shipped_recipe_parses_to_a_valid_config():
     ({"--context-parallel-size": 4, "--bf16": True}, "--bf16"),
     ({"--context-parallel-size": 4, "--tokenizer-type": "GPT2BPETokenizer"}, "--tokenizer-type"),
     ({"--context-parallel-size": 3}, "data_parallel_size"),
+    ({"--mock-variable-seq-lengths": True, "--mock-corpus": "shakespeare"}, "--mock-corpus"),
+    ({"--mock-corpus": "markov"}, "--mock-corpus"),  # without varlen data it would do nothing
 ])
 def test_bad_flags_get_the_config_errors(tmp_path, args, parameter):
     with pytest.raises(CPConfigError) as info:

@@ -13,7 +13,7 @@ WORLD = 4
 RTOL = 1e-5
 
 
-def train(tp, cp, pp, comm, hcp, steps=3, tied=False):
+def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False):
     """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer."""
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
@@ -33,7 +33,8 @@ def train(tp, cp, pp, comm, hcp, steps=3, tied=False):
             num_layers=4, num_attention_heads=4, num_query_groups=2, steps=steps,
             tensor_model_parallel_size=tp, context_parallel_size=cp,
             pipeline_model_parallel_size=pp, cp_comm_type=comm,
-            hierarchical_context_parallel_sizes=hcp, share_embeddings_and_output_weights=tied))
+            hierarchical_context_parallel_sizes=hcp, share_embeddings_and_output_weights=tied,
+            sequence_parallel=sp))
     finally:
         destroy_model_parallel()
 
@@ -47,7 +48,7 @@ def baseline(world):
 
 
 CASES = [
-    # (tp, cp, pp, comm, hcp)
+    # (tp, cp, pp, comm, hcp[, sequence_parallel])
     (1, 2, 1, "p2p", None),
     (1, 2, 1, "all_gather", None),
     (1, 2, 1, "a2a", None),
@@ -58,14 +59,19 @@ CASES = [
     (1, 4, 1, "a2a+p2p", [2, 2]),
     (2, 2, 1, "p2p", None),
     (2, 2, 1, "a2a", None),
+    (2, 1, 1, "p2p", None, True),
+    (2, 2, 1, "p2p", None, True),
+    (2, 2, 1, "a2a+p2p", [2, 1], True),
     (1, 2, 2, "p2p", None),
     (1, 2, 2, "a2a+p2p", [2, 1]),
 ]
 
 
-@pytest.mark.parametrize("tp, cp, pp, comm, hcp", CASES)
-def test_cp_training_equals_cp1(world, baseline, tp, cp, pp, comm, hcp):
-    runs = world.run(train, tp, cp, pp, comm, hcp)
+@pytest.mark.parametrize("tp, cp, pp, comm, hcp, sp", [(*c, False)[:6] for c in CASES])
+def test_cp_training_equals_cp1(world, baseline, tp, cp, pp, comm, hcp, sp):
+    """TP/CP/PP layouts, with and without sequence parallelism (norms of the local spec become
+    SequenceParallelTorchNorm), train like one rank."""
+    runs = world.run(train, tp, cp, pp, comm, hcp, sp=sp)
     for rank, run in enumerate(runs):
         for key in ("loss", "grad_norm"):
             got, want = torch.tensor(run[key]), torch.tensor(baseline[key])

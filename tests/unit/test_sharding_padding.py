@@ -42,3 +42,15 @@ def test_labels_sharded_after_pad_thd_keep_every_token():
 def test_cp_position_out_of_range_is_refused(cp_size, cp_rank):
     with pytest.raises(CPAttentionError, match="cp_rank"):
         get_local_chunk(torch.zeros(1, 16, 2), cp_size, cp_rank, "bshd")
+
+
+def test_padded_length_for_sequence_parallelism():
+    """Under SP each rank's tokens split over the TP ranks: padding to 2 * cp * tp keeps every
+    rank's share divisible by tp."""
+    from megatron_hcp.sharding import padded_length
+
+    assert [padded_length(n, 2) for n in (1, 4, 5)] == [4, 4, 8]
+    assert [padded_length(n, 2, 2) for n in (1, 8, 9)] == [8, 8, 16]
+    assert padded_length(3, 1, 4) == 8
+    with pytest.raises(ValueError, match="multiple=0"):
+        padded_length(3, 1, 0)
