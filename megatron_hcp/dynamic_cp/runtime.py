@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel_state.dynamic import DynamicCPGroups
+from ..parallel_state.groups import collective_device
 from ..sharding import MicroBatch
 from .packing import pack_thd
 from .projection import Hardware
@@ -92,8 +93,11 @@ class DynamicCPDataPath:
         self.is_tp_src = dist.get_rank() == self.tp_src
         # (dp rank, cp rank) of every DPxCP position, from one all-gather over DPxCP
         dp_cp = groups.by_size[groups.size]
-        mine = torch.tensor([dist.get_rank(dp_group), dist.get_rank(cp_group)])
-        table = [torch.zeros(2, dtype=torch.int64) for _ in range(groups.size)]
+        self.device = collective_device(dp_cp)  # CPU on gloo, this rank's GPU on NCCL
+        mine = torch.tensor([dist.get_rank(dp_group), dist.get_rank(cp_group)],
+                            device=self.device)
+        table = [torch.zeros(2, dtype=torch.int64, device=self.device)
+                 for _ in range(groups.size)]
         dist.all_gather(table, mine, group=dp_cp)
         self.dp_of = [int(t[0]) for t in table]
         self.cp_of = [int(t[1]) for t in table]
@@ -104,20 +108,21 @@ class DynamicCPDataPath:
                         ) -> tuple[list[int], list[int]]:
         n_local = len(ids)
         if self.is_tp_src:
-            mine = torch.tensor([list(ids), list(lengths)], dtype=torch.int64)
-            parts = [torch.zeros(2, n_local, dtype=torch.int64)
+            mine = torch.tensor([list(ids), list(lengths)], dtype=torch.int64, device=self.device)
+            parts = [torch.zeros(2, n_local, dtype=torch.int64, device=self.device)
                      for _ in range(dist.get_world_size(self.dp_group))]
             dist.all_gather(parts, mine, group=self.dp_group)
             both = torch.cat(parts, dim=1)
         else:
-            both = torch.zeros(2, n_local * dist.get_world_size(self.dp_group), dtype=torch.int64)
+            both = torch.zeros(2, n_local * dist.get_world_size(self.dp_group), dtype=torch.int64,
+                               device=self.device)
         if dist.get_world_size(self.tp_group) > 1:
             dist.broadcast(both, src=self.tp_src, group=self.tp_group)
         return [int(x) for x in both[0]], [int(x) for x in both[1]]
 
     def _check_same_plan(self, plan: Plan, ids: Sequence[int]) -> None:
         digest = _plan_digest(plan, ids)
-        probe = torch.tensor([digest, -digest], dtype=torch.int64)
+        probe = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
         dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.groups.by_size[self.groups.size])
         if int(probe[0]) != digest or int(-probe[1]) != digest:
             raise PlanMismatchError(
@@ -142,14 +147,16 @@ class DynamicCPDataPath:
                             continue  # q's replica loaded it
                         sender = self.position_of[(owner, self.cp_of[q])]
                         if sender == me:
+                            have[s] = have[s].to(self.device)
                             ops.append(dist.isend(have[s].contiguous(), ranks[q], tag=s))
                         elif q == me:
-                            inbox[s] = torch.empty(3, lengths[s], dtype=torch.int64)
+                            inbox[s] = torch.empty(3, lengths[s], dtype=torch.int64,
+                                                   device=self.device)
                             ops.append(dist.irecv(inbox[s], ranks[sender], tag=s))
         for work in ops:  # matched by (peer, tag); posted in the same order everywhere
             work.wait()
         have.update(inbox)
-        return have
+        return {s: x.cpu() for s, x in have.items()}  # packing runs on the CPU
 
     # ------------------------------------------------------------------ steps 4-5
     def step(self, ids: Sequence[int], load: Callable[[int], torch.Tensor]
@@ -192,7 +199,8 @@ class DynamicCPDataPath:
                                 pad_multiple=self.pad_multiple))
         if dist.get_world_size(self.tp_group) > 1:
             for mb in out:
-                payload = torch.stack([mb.tokens[0], mb.labels[0], mb.loss_mask[0].long()])
+                payload = torch.stack([mb.tokens[0], mb.labels[0],
+                                       mb.loss_mask[0].long()]).to(self.device)
                 dist.broadcast(payload, src=self.tp_src, group=self.tp_group)
                 mb.tokens, mb.labels = payload[0:1].clone(), payload[1:2].clone()
                 mb.loss_mask = payload[2:3].float()

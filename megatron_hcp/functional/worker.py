@@ -2,8 +2,10 @@
 
 ``python -m megatron_hcp.functional.worker RECIPE_DIR --out FILE [--steps N] [--cp1]
 [--checkpoint-dir D --save-at K | --resume-from K] [--platform cpu_gloo]``: rank 0 writes
-the metrics as JSON. Only ``cpu_gloo`` (gloo) is supported: the trainer keeps model and batches
-on the CPU, so NCCL could not carry its tensors (``gpu_nccl`` is refused, naming this).
+the metrics as JSON. ``cpu_gloo``: gloo, model and batches on the CPU, the CPU runtime patches,
+the reference CP attention. ``gpu_nccl``: NCCL, each rank on GPU ``LOCAL_RANK``, and the
+attention backend ``auto`` (Transformer Engine where it imports, else the reference backend on
+the GPU). Only ``cpu_gloo`` has run here (no GPU).
 """
 
 from __future__ import annotations
@@ -79,15 +81,29 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(opts.recipe)
     if opts.cp1:
         recipe = recipe.with_cp1()
-    spec = dataclasses.replace(
-        recipe.spec, steps=opts.steps or recipe.spec.steps, checkpoint_dir=opts.checkpoint_dir,
-        save_at_steps=tuple(opts.save_at), resume_from_step=opts.resume_from)
     from .launch import BACKENDS, require_runnable
 
     require_runnable(opts.platform)
+    gpu = opts.platform == "gpu_nccl"
+    spec = dataclasses.replace(
+        recipe.spec, steps=opts.steps or recipe.spec.steps, checkpoint_dir=opts.checkpoint_dir,
+        save_at_steps=tuple(opts.save_at), resume_from_step=opts.resume_from,
+        **({"device": "cuda", "attention_backend": "auto"} if gpu else {}))
+    if gpu:
+        import os
+
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(BACKENDS[opts.platform])
-    apply_cpu_runtime()
+    if not gpu:
+        apply_cpu_runtime()
     apply_dynamic_cp()
+    if gpu:
+        from ..attention.te import have_te
+
+        if have_te():  # TEDotProductAttention takes its CP groups from resolve_cp_groups
+            apply(by_name(["te-attention-hcp"]))
     rank = dist.get_rank()
 
     def progress(step: int, history: dict) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .groups import destroy_groups, group_kwargs
+from .groups import collective_device, destroy_groups, group_kwargs
 from .layout import dynamic_cp_blocks, dynamic_hcp_levels
 
 __all__ = ["DynamicCPGroups", "attach_dynamic_cp_groups", "create_dynamic_cp_groups",
@@ -154,7 +154,7 @@ def create_dynamic_cp_groups(
             group = by_size[size]
             if group is None:
                 continue
-            probe = torch.ones(1)
+            probe = torch.ones(1, device=collective_device(group))
             dist.all_reduce(probe, group=group)
             if int(probe.item()) != size:
                 raise RuntimeError(
@@ -162,7 +162,7 @@ def create_dynamic_cp_groups(
                     f"{int(probe.item())}"
                 )
         for size, group in sorted(p2p_by_size.items()):
-            probe = torch.ones(1)
+            probe = torch.ones(1, device=collective_device(group))
             dist.all_reduce(probe, group=group)
             if int(probe.item()) != size // a2a_size:
                 raise RuntimeError(f"warm-up all_reduce over the p2p level of size {size} "

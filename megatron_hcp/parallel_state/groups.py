@@ -7,11 +7,22 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .layout import Groups, hierarchical_level_groups
 
-__all__ = ["create_hierarchical_groups", "destroy_groups", "group_kwargs", "new_groups"]
+__all__ = ["collective_device", "create_hierarchical_groups", "destroy_groups", "group_kwargs",
+           "new_groups"]
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: the current CUDA device for an
+    NCCL group, the CPU otherwise (gloo). Every small collective of the project (probes, plans,
+    lengths, checkpoints' agreement) allocates here, so the same code runs on gloo and NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_kwargs(timeout: timedelta | None = None, pg_options: Any = None,

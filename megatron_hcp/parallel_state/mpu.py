@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..config import CPConfig, CPConfigError, Violation
 from .agreement import agree_on_config
 from .dynamic import DynamicCPGroups, create_dynamic_cp_groups
-from .groups import destroy_groups
+from .groups import collective_device, destroy_groups
 from .layout import ParallelLayout
 from .report import describe_cp_groups
 
@@ -81,7 +81,8 @@ def verify_against_layout(ps: Any, layout: ParallelLayout) -> None:
         expected[f"hcp{level}"] = group
     found = _megatron_groups(ps, layout)
     diffs = {k: (expected[k], found.get(k)) for k in expected if expected[k] != found.get(k)}
-    mine = torch.tensor([_layout_digest(layout), int(bool(diffs))], dtype=torch.int64)
+    mine = torch.tensor([_layout_digest(layout), int(bool(diffs))], dtype=torch.int64,
+                        device=collective_device())
     mine = mine.to(_collective_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig
+from .groups import collective_device
 from .mpu import destroy_model_parallel, initialize_model_parallel
 from .report import describe_cp_groups
 
@@ -37,7 +38,7 @@ def check_mpu_groups(config_kwargs: dict[str, Any], order: str = "tp-cp-ep-dp-pp
             expected[f"hcp level {level}"] = members
         checks = {}
         for name, group in groups.items():
-            value = torch.tensor([rank], dtype=torch.int64)
+            value = torch.tensor([rank], dtype=torch.int64, device=collective_device(group))
             dist.all_reduce(value, group=group)
             checks[name] = (int(value), sum(expected[name]), expected[name])
         return {"lines": describe_cp_groups(layout), "checks": checks}

@@ -119,4 +119,4 @@ def load_checkpoint(directory: str | os.PathLike, step: int, group: Any = None
     if problems:
         raise CheckpointError("cannot resume from a checkpoint that fails verification:\n"
                               + "\n".join(f"  - {p}" for p in problems))
-    return torch.load(folder / f"rank_{rank}.pt", weights_only=True)
+    return torch.load(folder / f"rank_{rank}.pt", weights_only=True, map_location="cpu")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "uses_torch_norms", "with_sequence_parallel_norms"]
 
 _NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
@@ -39,6 +39,16 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+def uses_torch_norms(layer_spec: Any) -> bool:
+    """True when ``layer_spec`` builds its norms with megatron's ``WrappedTorchNorm`` (the local
+    spec without apex), the norm that refuses SP. TE's spec (norms fused into TE's linear
+    layers, TENorm) and apex's FusedLayerNorm accept SP as they are."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return any(getattr(layer_spec.submodules, name, None) is WrappedTorchNorm
+               for name in ("input_layernorm", "pre_mlp_layernorm"))
 
 
 def with_sequence_parallel_norms(layer_spec: Any, config: Any, vp_stage: int | None,

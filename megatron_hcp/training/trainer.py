@@ -8,6 +8,7 @@ runs with different parallel layouts can be compared step by step.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from ..attention.module import gpt_layer_spec
 from ..config import CPConfig
+from ..parallel_state.groups import collective_device
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import (
     CORPORA,
@@ -28,7 +30,7 @@ from .data import (
     varlen_lengths,
     varlen_sample,
 )
-from .norm import with_sequence_parallel_norms
+from .norm import uses_torch_norms, with_sequence_parallel_norms
 
 __all__ = ["TinyGPTSpec", "VarLen", "train_tiny_gpt"]
 
@@ -76,6 +78,7 @@ class TinyGPTSpec:
     seed: int = 1234
     share_embeddings_and_output_weights: bool = False
     sequence_parallel: bool = False  # megatron's; norms become SequenceParallelTorchNorm
+    device: str = "cpu"  # "cuda": model and batches on this rank's current CUDA device (NCCL)
     attention_backend: str = "reference"
     virtual_pipeline_model_parallel_size: int | None = None
     varlen: VarLen | None = None
@@ -200,6 +203,30 @@ def deterministic_init(model: torch.nn.Module, seed: int, tp_rank: int, tp_size:
             param.copy_(full.to(param.dtype))
 
 
+def _device(spec: TinyGPTSpec) -> torch.device:
+    """The rank's compute device: the CPU, or (``spec.device="cuda"``) its current GPU."""
+    if spec.device == "cpu":
+        return torch.device("cpu")
+    if spec.device != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"device={spec.device!r}: use 'cpu', or 'cuda' where CUDA is available")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _to_device(mb: Any, device: torch.device) -> Any:
+    """``mb`` with its tensors (and its packed-sequence boundaries) on ``device``."""
+    if device.type == "cpu":
+        return mb
+    params = mb.packed_seq_params
+    if params is not None:
+        params = copy.copy(params)
+        for name, value in vars(params).items():
+            if isinstance(value, torch.Tensor):
+                setattr(params, name, value.to(device))
+    return dataclasses.replace(mb, tokens=mb.tokens.to(device), labels=mb.labels.to(device),
+                               loss_mask=mb.loss_mask.to(device),
+                               position_ids=mb.position_ids.to(device), packed_seq_params=params)
+
+
 def _groups(pg_collection):
     if pg_collection is not None:
         return pg_collection
@@ -225,7 +252,7 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
                 vp_stage=vp if spec.virtual_pipeline_model_parallel_size else None,
                 pp_rank=pp_rank)
         layers = gpt_layer_spec(spec.attention_backend)
-        if config.sequence_parallel:
+        if config.sequence_parallel and uses_torch_norms(layers):
             if mtp is not None:
                 raise ValueError("sequence_parallel=True with mtp_num_layers: the MTP block's "
                                  "norms on the local spec refuse sequence parallelism; turn one "
@@ -247,7 +274,7 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
             **({"vp_stage": vp} if spec.virtual_pipeline_model_parallel_size else {}),
         )
         deterministic_init(chunk, spec.seed, pgs.tp.rank(), pgs.tp.size())
-        chunks.append(chunk)
+        chunks.append(chunk.to(_device(spec)))
     return chunks
 
 
@@ -421,7 +448,7 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
         first = spec.resume_from_step
     for step in range(first, spec.steps):
         started = time.perf_counter()
-        micro = data.micro_batches(step)
+        micro = [_to_device(mb, _device(spec)) for mb in data.micro_batches(step)]
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
@@ -458,9 +485,9 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
 
 def _global_loss(reports: list[dict], pgs: Any) -> float:
     """Per-token loss over the global batch, on every rank (last PP stage broadcasts)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=collective_device(pgs.dp_cp))
     for report in reports:
-        total += report["lm loss"].double()
+        total += report["lm loss"].double().to(total.device)
     dist.all_reduce(total, group=pgs.dp_cp)
     if pgs.pp.size() > 1:
         last = dist.get_process_group_ranks(pgs.pp)[-1]

@@ -64,3 +64,24 @@ def test_markov_corpus_follows_its_successor_table():
             succ.setdefault(t, []).append(n)
     top = sum(max(nxt.count(x) for x in nxt) for nxt in succ.values())
     assert abs(top / sum(map(len, succ.values())) - MARKOV_STAY) < 0.06
+
+
+def test_micro_batches_move_whole_to_the_compute_device():
+    """The GPU path moves tokens, labels, mask, positions and the packed-sequence boundaries
+    (checked with the meta device: no GPU here); the CPU path returns the batch untouched, and
+    asking for CUDA where there is none is a named error."""
+    import pytest
+
+    from megatron_hcp.dynamic_cp.packing import pack_thd
+    from megatron_hcp.training.trainer import TinyGPTSpec, _device, _to_device
+
+    mb = pack_thd([varlen_sample(3, 0, i, n, 50) for i, n in enumerate((5, 9))], 2, 1)
+    assert _to_device(mb, torch.device("cpu")) is mb
+    moved = _to_device(mb, torch.device("meta"))
+    tensors = [moved.tokens, moved.labels, moved.loss_mask, moved.position_ids,
+               *(v for v in vars(moved.packed_seq_params).values() if torch.is_tensor(v))]
+    assert len(tensors) >= 8 and all(t.device.type == "meta" for t in tensors)
+    assert mb.packed_seq_params.cu_seqlens_q.device.type == "cpu"  # the original is untouched
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            _device(TinyGPTSpec(device="cuda"))
