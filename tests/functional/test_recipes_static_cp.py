@@ -7,7 +7,7 @@ import pytest
 from tests.functional._check import assert_recipe_passes
 
 RECIPES = ["gpt3_mcore_tp1_pp1_cp4_p2p", "gpt3_mcore_tp1_pp1_cp4_all_gather",
-           "gpt3_mcore_tp1_pp1_cp4_a2a", "gpt3_mcore_tp1_pp1_cp4_p2p_ckpt_resume",
+           "gpt3_mcore_tp1_pp1_cp4_a2a", "gpt3_mcore_tp2_pp1_cp2_ckpt_resume",
            "gpt3_mcore_tp1_pp2_cp4_a2a_p2p"]
 
 
