@@ -303,10 +303,14 @@ def test_multi_token_prediction_follows_the_dynamic_group(world):
     want = world.run(train, 1, 1, 1, False, extra_config=mtp, lengths=lengths)[0]
     plain = world.run(train, 1, 1, 1, False, lengths=lengths)[0]
     assert want["loss"] != plain["loss"]  # MTP changes the loss
-    runs = world.run(train, 1, 4, 1, True, extra_config=mtp, lengths=lengths)
-    assert len({s for run in runs for step in run["local_cp_sizes"] for s in step}) > 1
     newer = version_key(megatron_core_version()) >= version_key("0.19")
-    assert_same(runs, want, grad_rtol=5e-5 if newer else RTOL)
+    for hcp in (None, [2, 2]):  # flat dynamic groups, then each on its a2a x p2p levels
+        runs = world.run(train, 1, 4, 1, True, extra_config=mtp, lengths=lengths, hcp=hcp,
+                         cap=48 if hcp else 96)
+        assert len({s for run in runs for step in run["local_cp_sizes"] for s in step}) > 1
+        if hcp:
+            assert any(lv for run in runs for step in run["cp_levels"] for lv in step)
+        assert_same(runs, want, grad_rtol=5e-5 if newer else RTOL)
 
 
 def test_dynamic_cp_without_its_patches_is_refused(world):
