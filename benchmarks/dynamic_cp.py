@@ -214,11 +214,12 @@ def hierarchical_table(args, rng) -> None:
           f"{cluster.flops_per_second / 1e12:g} TFLOP/s, TP 1, cap {HCP_CAP} tokens/rank, "
           f"HCP a2a level {a}; {args.seeds} batches per row; lengths lognormal median 4K "
           "(256..128K) plus a tail share of 128K..1M tokens (2 x N sequences with a 10 % tail, "
-          "8 x N with 1 %); ratio = static CP seconds / seconds (same run, mean); "
-          "a projection, not a measurement")
-    header = (f"{'model':<9} {'tail':>4} {'N':>4} {'static':>10} {'static CP s':>11} | "
-              f"{'static HCP':>10} {'dyn CP':>7} {'dyn HCP':>7} | {'dyn mbs':>7} "
-              f"{'HCP grp':>7} {'sched s':>7}")
+          "8 x N with 1 %); ratio = static CP seconds / seconds (same run, mean); mbs = dynamic "
+          "HCP micro-batches, grp = token-weighted dynamic group size; a projection, not a "
+          "measurement")
+    header = (f"{'model':<9} {'tail':>4} {'N':>4} {'static CP [HCP]':>17} {'static CP s':>11} | "
+              f"{'static HCP':>10} {'dyn CP':>7} {'dyn HCP':>7} | {'mbs':>4} {'grp CP':>6} "
+              f"{'grp HCP':>7} {'sched s':>7}")
     print(header)
     print("-" * len(header))
     cases = [(label, model, share, per_rank, n)
@@ -242,15 +243,16 @@ def hierarchical_table(args, rng) -> None:
             seconds = (time.perf_counter() - t0) / 2
             row += [plan_seconds(flat, lengths, model, cluster),
                     plan_seconds(hier, lengths, model, cluster, a),
-                    len(hier.micro_batches), hier.summary["mean_group_size"], seconds]
+                    len(hier.micro_batches), flat.summary["mean_group_size"],
+                    hier.summary["mean_group_size"], seconds]
             rows.append(row)
         r = np.array(rows)
         ratio = r[:, :1] / r[:, 1:4]
         static = "/".join(f"{c} [{a}x{c // a}]" for c in sorted(static_sizes))
-        print(f"{label:<9} {share:>4.0%} {n:>4} {static:>10} {r[:, 0].mean():>11.2f} | "
+        print(f"{label:<9} {share:>4.0%} {n:>4} {static:>17} {r[:, 0].mean():>11.2f} | "
               f"{ratio[:, 0].mean():>9.2f}x {ratio[:, 1].mean():>6.2f}x "
-              f"{ratio[:, 2].mean():>6.2f}x | {r[:, 4].mean():>7.1f} {r[:, 5].mean():>7.1f} "
-              f"{r[:, 6].max():>7.2f}")
+              f"{ratio[:, 2].mean():>6.2f}x | {r[:, 4].mean():>4.1f} {r[:, 5].mean():>6.1f} "
+              f"{r[:, 6].mean():>7.1f} {r[:, 7].max():>7.2f}")
 
 
 def main() -> None:
