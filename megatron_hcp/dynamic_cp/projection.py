@@ -46,6 +46,7 @@ __all__ = [
     "dp_gradient_seconds",
     "dynamic_group_seconds",
     "dynamic_levels",
+    "group_pricer",
     "group_seconds",
     "overlapped_seconds",
     "p2p_seconds",
