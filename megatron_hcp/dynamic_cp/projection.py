@@ -30,6 +30,7 @@ with that accounting - a flat ring, or under (dynamic) hierarchical CP an a2a le
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -361,7 +362,9 @@ def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[in
     contiguous ranks (pure ``a2a`` when ``c <= a``: no ring term) and a ring over every
     ``a``-th rank. Each level runs on the slowest link its ranks need: inside a node the
     intra-node link, across nodes the inter-node one. All a2a groups (rings) of a block are
-    priced and the slowest counts (they differ only when a node is not a power of two).
+    priced and the slowest counts (they differ only when a node is not a power of two). An a2a
+    level larger than the KV head count replicates the KV heads up to it (the reference
+    backend's rule): its traffic is priced with that many KV heads.
     """
     if workload.mode != "flops":
         raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
@@ -370,6 +373,8 @@ def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[in
     if c <= 1:
         return compute
     a, p = dynamic_levels(c, hcp_a2a_size)
+    if a > (workload.num_query_groups or workload.num_attention_heads):
+        workload = dataclasses.replace(workload, num_query_groups=a)  # replicated KV heads
     if a == 1:
         comm = cp_layer_seconds(workload, cluster, length, 1, "p2p", ranks)
     elif p == 1:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..parallel_state.dynamic import DynamicCPGroups
 from ..sharding import MicroBatch
 from .packing import pack_thd
-from .projection import Hardware
+from .projection import Cluster, Hardware
 from .scheduler import Plan, schedule
 from .workload import GPTWorkload
 
@@ -60,7 +60,10 @@ class DynamicCPDataPath:
     with interleaved VPP). ``hardware``: plans are ranked by projected step time, compute plus
     exposed CP ring traffic (default: :class:`~.projection.Hardware`'s assumed H100-class
     numbers), because under FLOPs alone splitting a short sequence over many ranks looks free;
-    ``None`` ranks them by FLOPs makespan.
+    ``None`` ranks them by FLOPs makespan. With dynamic hierarchical CP (``groups.a2a_size``)
+    the default becomes a two-link :class:`~.projection.Cluster` (nodes of 8 GPUs, i.e.
+    ``8 // TP`` DPxCP positions) and plans are ranked with each group's a2a and p2p levels; a
+    given Cluster is used with the levels too, a given single-link ``Hardware`` prices flat rings.
     """
 
     def __init__(
@@ -74,7 +77,7 @@ class DynamicCPDataPath:
         min_cp_size: int | None = None,
         workload: GPTWorkload | None = None,
         micro_batch_multiple: int = 1,
-        hardware: Hardware | None = _DEFAULT_HARDWARE,
+        hardware: Hardware | Cluster | None = _DEFAULT_HARDWARE,
     ):
         self.groups = groups
         self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
@@ -82,7 +85,11 @@ class DynamicCPDataPath:
         self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
         self.workload = workload or GPTWorkload()
         self.multiple = int(micro_batch_multiple)
+        a2a_size = getattr(groups, "a2a_size", None)
+        if a2a_size is not None and hardware is _DEFAULT_HARDWARE:
+            hardware = Cluster(gpus_per_node=max(1, 8 // dist.get_world_size(tp_group)))
         self.hardware = hardware
+        self.hcp_a2a_size = a2a_size if isinstance(hardware, Cluster) else None
         self.position = groups.position
         self.tp_src = dist.get_process_group_ranks(tp_group)[0]
         self.is_tp_src = dist.get_rank() == self.tp_src
@@ -163,7 +170,7 @@ class DynamicCPDataPath:
         all_ids, lengths = self._global_lengths(
             ids, [int(local[i].shape[1]) if local else 0 for i in ids])
         plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
-                        hardware=self.hardware,
+                        hardware=self.hardware, hcp_a2a_size=self.hcp_a2a_size,
                         min_cp_size=self.min_cp_size, vpp=self.multiple)
         self._check_same_plan(plan, all_ids)
         n_local = len(ids)

@@ -160,11 +160,12 @@ def _check_pricing(hardware, hcp_a2a_size, n: int, model: GPTWorkload) -> None:
             "tiles the aligned power-of-two dynamic groups); use 2, 4, 8, ... <= dp_cp, or None "
             "for flat dynamic CP")
     kv = model.num_query_groups or model.num_attention_heads
-    if model.num_attention_heads % a or kv % a:
+    if model.num_attention_heads % a or (kv % a and a % kv):
         raise ScheduleError(
-            f"hcp_a2a_size={a}: the a2a level splits the {model.num_attention_heads} query and "
-            f"{kv} KV heads, which it must divide; use an a2a size dividing both (<= {kv} here) "
-            "or a model with more KV heads")
+            f"hcp_a2a_size={a}: the a2a level splits the {model.num_attention_heads} query "
+            f"heads and the {kv} KV heads; it must divide the query heads and divide or be a "
+            "multiple of the KV heads (then they are replicated, as CPConfig allows for the "
+            "reference backend); use a smaller a2a size")
 
 
 class _Pool:

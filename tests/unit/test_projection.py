@@ -163,3 +163,12 @@ def test_node_not_a_power_of_two_prices_the_straddling_block():
     # ranks 4..7 straddle nodes 0 and 1, ranks 0..3 do not
     assert dynamic_group_seconds(GQA, 8192, range(4, 8), odd) > dynamic_group_seconds(
         GQA, 8192, range(0, 4), odd)
+
+
+def test_a2a_level_above_the_kv_heads_prices_the_replicated_heads():
+    two_kv = GPTWorkload(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2)
+    four_kv = GPTWorkload(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=4)
+    for ranks in (range(4), range(16)):  # pure a2a 4; a2a 4 x p2p 4 across two nodes
+        assert _comm(two_kv, 8192, ranks, NODE8, 4) == pytest.approx(
+            _comm(four_kv, 8192, ranks, NODE8, 4))
+    assert _comm(two_kv, 8192, range(16), NODE8, 2) < _comm(four_kv, 8192, range(16), NODE8, 2)

@@ -64,7 +64,7 @@ def test_flat_single_link_ranking_is_unchanged():
     ({"hcp_a2a_size": 16, "hardware": Cluster()}, "<= dp_cp=8"),
     ({"hcp_a2a_size": 2.0, "hardware": Cluster()}, "hcp_a2a_size"),
     ({"hcp_a2a_size": 8, "hardware": Cluster(),
-      "workload": GPTWorkload(num_attention_heads=32, num_query_groups=4)}, "4 KV heads"),
+      "workload": GPTWorkload(hidden_size=768, num_attention_heads=12)}, "12 query heads"),
     ({"hardware": Cluster(gpus_per_node=0)}, "hardware.gpus_per_node=0"),
     ({"hardware": Cluster(inter_bytes_per_second=0.0)}, "hardware.inter_bytes_per_second=0.0"),
     ({"hardware": Cluster(intra_latency_seconds=-1.0)}, "hardware.intra_latency_seconds=-1.0"),
