@@ -18,7 +18,14 @@ Model and lengths follow megatron's DCP functional test ``gpt3_mcore_te_tp2_pp1_
 (12 layers, hidden 512, 8 heads, lognormal 128..2048 mean 512 sigma 1.2, cap 512 tokens per
 rank); long_tail adds 5 % of sequences up to N x cap.
 
-Run: ``.venv/bin/python benchmarks/dynamic_cp.py [--samples 2048] [--seeds 4]``
+Table 3 (``--hierarchical``, only that table): dynamic hierarchical CP on nodes of 8 GPUs with
+two link classes (:class:`~megatron_hcp.dynamic_cp.projection.Cluster`: NVLink-like inside a
+node, IB-like across), 8B- and 70B-like GQA models (8 KV heads), long-tail lengths up to 1M
+tokens; projected step of static CP (dp_balanced, flat ring) against static HCP, flat dynamic
+CP and dynamic HCP (a2a level = one node), all computed in the same run.
+
+Run: ``.venv/bin/python benchmarks/dynamic_cp.py [--samples 2048] [--seeds 4]``;
+``.venv/bin/python benchmarks/dynamic_cp.py --hierarchical [--seeds 3] [--inter-gbps 50]``
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_hcp.dynamic_cp.projection import (  # noqa: E402
+    Cluster,
     Hardware,
+    dynamic_group_seconds,
     plan_seconds,
     projected_seconds,
     static_cp_seconds,
@@ -99,9 +108,9 @@ def upstream(lengths, n, model):
     return makespan, peak, seconds
 
 
-def dp_balanced(lengths, n, weight):
+def dp_balanced(lengths, n, weight, cap=CAP):
     """Static CP fitting the longest sequence; largest-first greedy over the DP replicas."""
-    c = min_group_size(max(lengths), CAP, n)
+    c = min_group_size(max(lengths), cap, n)
     replicas: list[list[int]] = [[] for _ in range(n // c)]
     loads = np.zeros(n // c)
     for s in sorted(range(len(lengths)), key=lambda s: (-lengths[s], s)):
@@ -175,13 +184,93 @@ def projection_table(args, rng) -> None:
                 f"{np.mean(v):>7.2f}x" for v in ratios.values()))
 
 
+LLAMA_70B = GPTWorkload(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                        num_attention_heads=64, num_query_groups=8, gated_mlp=True)
+HCP_CAP = 16384  # tokens per rank: a 1M-token sequence needs 64 ranks
+
+
+def long_tail_1m(rng, count, share):
+    """Lognormal (median 4K, sigma 1, 256..128K) with ``share`` log-uniform 128K..1M tokens;
+    at least one sequence of the tail and at most 1M tokens."""
+    base = np.clip(rng.lognormal(np.log(4096), 1.0, count), 256, 131072)
+    longs = np.exp(rng.uniform(np.log(131072), np.log(1 << 20), count))
+    tail = rng.random(count) < share
+    tail[0] = True
+    return [min(int(x), 1 << 20) for x in np.where(tail, longs, base)]
+
+
+# (tail share, sequences per rank): a heavy and a light tail of the same length range
+TAILS = ((0.10, 2), (0.01, 8))
+
+
+def hierarchical_table(args, rng) -> None:
+    """Table 3: static CP vs static HCP vs flat dynamic CP vs dynamic HCP on two link classes."""
+    cluster = Cluster(gpus_per_node=8, intra_bytes_per_second=args.intra_gbps * 1e9,
+                      inter_bytes_per_second=args.inter_gbps * 1e9)
+    a = cluster.gpus_per_node  # the a2a level: one node (8 KV heads: a2a <= 8)
+    print(f"Table 3 - projected step on nodes of {a} GPUs: {args.intra_gbps:g} GB/s "
+          f"{cluster.intra_latency_seconds * 1e6:g} us inside a node, {args.inter_gbps:g} GB/s "
+          f"{cluster.inter_latency_seconds * 1e6:g} us across, "
+          f"{cluster.flops_per_second / 1e12:g} TFLOP/s, TP 1, cap {HCP_CAP} tokens/rank, "
+          f"HCP a2a level {a}; {args.seeds} batches per row; lengths lognormal median 4K "
+          "(256..128K) plus a tail share of 128K..1M tokens (2 x N sequences with a 10 % tail, "
+          "8 x N with 1 %); ratio = static CP seconds / seconds (same run, mean); mbs = dynamic "
+          "HCP micro-batches, grp = token-weighted dynamic group size; a projection, not a "
+          "measurement")
+    header = (f"{'model':<9} {'tail':>4} {'N':>4} {'static CP [HCP]':>17} {'static CP s':>11} | "
+              f"{'static HCP':>10} {'dyn CP':>7} {'dyn HCP':>7} | {'mbs':>4} {'grp CP':>6} "
+              f"{'grp HCP':>7} {'sched s':>7}")
+    print(header)
+    print("-" * len(header))
+    cases = [(label, model, share, per_rank, n)
+             for label, model in (("8B-like", LARGE), ("70B-like", LLAMA_70B))
+             for share, per_rank in TAILS for n in (64, 256)]
+    for label, model, share, per_rank, n in cases:
+        rows, static_sizes = [], set()
+        for _ in range(args.seeds):
+            lengths = long_tail_1m(rng, per_rank * n, share)
+            row = []
+            for hcp in (None, a):  # static CP (flat ring), static HCP [a, c / a]
+                c, replicas = dp_balanced(
+                    lengths, n, lambda x, c, h=hcp, m=model: dynamic_group_seconds(
+                        m, x, range(c), cluster, h), HCP_CAP)
+                row.append(static_cp_seconds(replicas, lengths, c, model, cluster, hcp))
+                static_sizes.add(c)
+            t0 = time.perf_counter()
+            flat = schedule(lengths, n, HCP_CAP, workload=model, hardware=cluster)
+            hier = schedule(lengths, n, HCP_CAP, workload=model, hardware=cluster,
+                            hcp_a2a_size=a)
+            seconds = (time.perf_counter() - t0) / 2
+            row += [plan_seconds(flat, lengths, model, cluster),
+                    plan_seconds(hier, lengths, model, cluster, a),
+                    len(hier.micro_batches), flat.summary["mean_group_size"],
+                    hier.summary["mean_group_size"], seconds]
+            rows.append(row)
+        r = np.array(rows)
+        ratio = r[:, :1] / r[:, 1:4]
+        static = "/".join(f"{c} [{a}x{c // a}]" for c in sorted(static_sizes))
+        print(f"{label:<9} {share:>4.0%} {n:>4} {static:>17} {r[:, 0].mean():>11.2f} | "
+              f"{ratio[:, 0].mean():>9.2f}x {ratio[:, 1].mean():>6.2f}x "
+              f"{ratio[:, 2].mean():>6.2f}x | {r[:, 4].mean():>4.1f} {r[:, 5].mean():>6.1f} "
+              f"{r[:, 6].mean():>7.1f} {r[:, 7].max():>7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="only Table 3: dynamic HCP on two link classes (8B/70B-like)")
+    parser.add_argument("--intra-gbps", type=float, default=450.0,
+                        help="Table 3: GB/s per GPU inside a node")
+    parser.add_argument("--inter-gbps", type=float, default=50.0,
+                        help="Table 3: GB/s per GPU across nodes")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
+    if args.hierarchical:
+        hierarchical_table(args, rng)
+        return
     flops_table(args, rng)
     projection_table(args, rng)
 

@@ -20,12 +20,19 @@ The layout planner (:mod:`megatron_hcp.planner`) uses the same accounting with t
 (:class:`Cluster`: inside a node / across nodes, each group priced by where its ranks sit):
 :func:`cp_layer_seconds` (ring, a2a, a2a+p2p, all_gather), :func:`tp_layer_seconds`,
 :func:`dp_gradient_seconds`, :func:`pipeline_bubble_seconds`, and overlapped traffic charged
-:data:`OVERLAP_SLOWDOWN` of its hidden part. The functions above keep their single link.
+:data:`OVERLAP_SLOWDOWN` of its hidden part. :func:`plan_seconds`, :func:`group_seconds` and
+:func:`static_cp_seconds` take either a :class:`Hardware` (one link, :func:`projected_seconds`,
+unchanged) or a :class:`Cluster`: then each CP group is priced by :func:`dynamic_group_seconds`
+with that accounting - a flat ring, or under (dynamic) hierarchical CP an a2a level of
+``min(c, a)`` contiguous ranks (not overlapped) plus a ring over ``c / min(c, a)`` of them
+(overlapped), each on the link class its ranks need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .workload import GPTWorkload
@@ -38,6 +45,9 @@ __all__ = [
     "collective_seconds",
     "cp_layer_seconds",
     "dp_gradient_seconds",
+    "dynamic_group_seconds",
+    "dynamic_levels",
+    "group_pricer",
     "group_seconds",
     "overlapped_seconds",
     "p2p_seconds",
@@ -80,21 +90,38 @@ def projected_seconds(workload: GPTWorkload, length: int, group_size: int,
 
 
 def group_seconds(workload: GPTWorkload, lengths: Sequence[int], samples: Iterable[int],
-                  group_size: int, hw: Hardware) -> float:
-    """Seconds each rank of a CP group spends on ``samples`` (all split over the group)."""
-    return sum(projected_seconds(workload, lengths[s], group_size, hw) for s in samples)
+                  group_size: int, hw: Hardware | Cluster, *, start: int = 0,
+                  hcp_a2a_size: int | None = None) -> float:
+    """Seconds each rank of a CP group spends on ``samples`` (all split over the group).
+
+    With a :class:`Cluster` the group is the ranks ``start .. start + group_size - 1`` (their
+    nodes choose the links) and ``hcp_a2a_size`` makes it hierarchical
+    (:func:`dynamic_group_seconds`); a :class:`Hardware` prices a flat single-link ring.
+    """
+    price = group_pricer(workload, hw, hcp_a2a_size)
+    return sum(price(lengths[s], start, group_size) for s in samples)
 
 
-def plan_seconds(plan, lengths: Sequence[int], workload: GPTWorkload, hw: Hardware) -> float:
+def plan_seconds(plan, lengths: Sequence[int], workload: GPTWorkload, hw: Hardware | Cluster,
+                 hcp_a2a_size: int | None = None) -> float:
     """Projected step of a dynamic-CP plan: sum over micro-batches of the slowest rank."""
-    return sum(max((group_seconds(workload, lengths, g.samples, len(g.ranks), hw)
-                    for g in mb.groups), default=0.0) for mb in plan.micro_batches)
+    price = group_pricer(workload, hw, hcp_a2a_size)
+    return sum(max((sum(price(lengths[s], g.ranks[0], len(g.ranks)) for s in g.samples)
+                    for g in mb.groups if g.ranks), default=0.0)
+               for mb in plan.micro_batches)
 
 
 def static_cp_seconds(replicas: Sequence[Sequence[int]], lengths: Sequence[int], cp: int,
-                      workload: GPTWorkload, hw: Hardware) -> float:
-    """Projected step of static CP: DP replicas only meet at the step end (slowest replica)."""
-    return max(group_seconds(workload, lengths, samples, cp, hw) for samples in replicas)
+                      workload: GPTWorkload, hw: Hardware | Cluster,
+                      hcp_a2a_size: int | None = None) -> float:
+    """Projected step of static CP: DP replicas only meet at the step end (slowest replica).
+
+    Replica ``r`` runs on the contiguous ranks ``r * cp ...`` (megatron's tp-cp-dp order with
+    TP 1); ``hcp_a2a_size`` (with a :class:`Cluster`) prices static HCP ``[a, cp / a]``.
+    """
+    price = group_pricer(workload, hw, hcp_a2a_size)
+    return max(sum(price(lengths[s], r * cp, cp) for s in samples)
+               for r, samples in enumerate(replicas))
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,3 +337,76 @@ def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
     if pp <= 1 or not micro_batch_seconds:
         return 0.0
     return (pp - 1) * (max(micro_batch_seconds) / pp + 2 * transfer_seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic (hierarchical) CP on two link classes: the planner's accounting per dynamic group.
+# --------------------------------------------------------------------------------------------
+
+
+def dynamic_levels(group_size: int, hcp_a2a_size: int | None) -> tuple[int, int]:
+    """(a2a, p2p) level sizes of a CP group of ``group_size`` ranks: a2a = ``min(c, a)``,
+    p2p = ``c / a2a``; ``(1, c)`` (a flat ring) without hierarchical CP."""
+    if not hcp_a2a_size or hcp_a2a_size <= 1:
+        return 1, group_size
+    a2a = min(group_size, hcp_a2a_size)
+    return a2a, group_size // a2a
+
+
+def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[int],
+                          cluster: Cluster, hcp_a2a_size: int | None = None) -> float:
+    """Seconds one rank of the CP group ``ranks`` spends on ``length`` (fwd + bwd, TP 1).
+
+    Compute at the cluster's FLOP rate plus, per layer, :func:`cp_layer_seconds`: a flat ring
+    over ``ranks`` (``p2p``), or with ``hcp_a2a_size = a`` an all-to-all over ``min(c, a)``
+    contiguous ranks (pure ``a2a`` when ``c <= a``: no ring term) and a ring over every
+    ``a``-th rank. Each level runs on the slowest link its ranks need: inside a node the
+    intra-node link, across nodes the inter-node one. All a2a groups (rings) of a block are
+    priced and the slowest counts (they differ only when a node is not a power of two). An a2a
+    level larger than the KV head count replicates the KV heads up to it (the reference
+    backend's rule): its traffic is priced with that many KV heads.
+    """
+    if workload.mode != "flops":
+        raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
+    c = len(ranks)
+    compute = workload.cost(length, c) / cluster.flops_per_second
+    if c <= 1:
+        return compute
+    a, p = dynamic_levels(c, hcp_a2a_size)
+    if a > (workload.num_query_groups or workload.num_attention_heads):
+        workload = dataclasses.replace(workload, num_query_groups=a)  # replicated KV heads
+    if a == 1:
+        comm = cp_layer_seconds(workload, cluster, length, 1, "p2p", ranks)
+    elif p == 1:
+        comm = cp_layer_seconds(workload, cluster, length, 1, "a2a", ranks)
+    else:
+        comm = max((cp_layer_seconds(workload, cluster, length, 1, "a2a+p2p", ranks,
+                                     a2a_ranks=ranks[i * a:(i + 1) * a],
+                                     p2p_ranks=ranks[i % a::a])
+                    for i in range(max(p, a))),
+                   key=lambda x: x.forward + x.backward)
+    return compute + workload.num_layers * (comm.forward + comm.backward)
+
+
+def group_pricer(workload: GPTWorkload, hw: Hardware | Cluster,
+                 hcp_a2a_size: int | None = None) -> Callable[[int, int, int], float]:
+    """``price(length, start, size)``: seconds per rank of a group of ``size`` contiguous ranks
+    from ``start`` (memoised; aligned blocks on power-of-two nodes share one price per size)."""
+    if isinstance(hw, Hardware):
+        if hcp_a2a_size is not None:
+            raise ValueError(
+                f"hcp_a2a_size={hcp_a2a_size} needs a two-link Cluster (the a2a level's link "
+                "differs from the ring's): pass a Cluster instead of a Hardware")
+        return lambda length, start, size: projected_seconds(workload, length, size, hw)
+    cluster = hw
+    g = cluster.gpus_per_node
+    uniform = g >= 1 and g & (g - 1) == 0  # aligned power-of-two blocks: same shape per size
+
+    @functools.cache
+    def price(length: int, start: int, size: int) -> float:
+        if uniform and start and size & (size - 1) == 0 and start % size == 0:
+            return price(length, 0, size)
+        return dynamic_group_seconds(workload, length, range(start, start + size), cluster,
+                                     hcp_a2a_size)
+
+    return price

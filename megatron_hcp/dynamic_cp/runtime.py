@@ -33,7 +33,7 @@ from ..parallel_state.dynamic import DynamicCPGroups
 from ..parallel_state.groups import collective_device
 from ..sharding import MicroBatch
 from .packing import pack_thd
-from .projection import Hardware
+from .projection import Cluster, Hardware
 from .scheduler import Plan, schedule
 from .workload import GPTWorkload
 
@@ -61,8 +61,12 @@ class DynamicCPDataPath:
     with interleaved VPP). ``hardware``: plans are ranked by projected step time, compute plus
     exposed CP ring traffic (default: :class:`~.projection.Hardware`'s assumed H100-class
     numbers), because under FLOPs alone splitting a short sequence over many ranks looks free;
-    ``None`` ranks them by FLOPs makespan. ``sequence_parallel``: sequences are padded so that
-    every rank's packed tokens split evenly over the TP ranks.
+    ``None`` ranks them by FLOPs makespan. With dynamic hierarchical CP (``groups.a2a_size``)
+    the default becomes a two-link :class:`~.projection.Cluster` (nodes of 8 GPUs, i.e.
+    ``8 // TP`` DPxCP positions) and plans are ranked with each group's a2a and p2p levels; a
+    given Cluster is used with the levels too, a given single-link ``Hardware`` prices flat rings.
+    ``sequence_parallel``: sequences are padded so that every rank's packed tokens split evenly
+    over the TP ranks.
     """
 
     def __init__(
@@ -76,7 +80,7 @@ class DynamicCPDataPath:
         min_cp_size: int | None = None,
         workload: GPTWorkload | None = None,
         micro_batch_multiple: int = 1,
-        hardware: Hardware | None = _DEFAULT_HARDWARE,
+        hardware: Hardware | Cluster | None = _DEFAULT_HARDWARE,
         sequence_parallel: bool = False,
     ):
         self.groups = groups
@@ -85,7 +89,11 @@ class DynamicCPDataPath:
         self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
         self.workload = workload or GPTWorkload()
         self.multiple = int(micro_batch_multiple)
+        a2a_size = getattr(groups, "a2a_size", None)
+        if a2a_size is not None and hardware is _DEFAULT_HARDWARE:
+            hardware = Cluster(gpus_per_node=max(1, 8 // dist.get_world_size(tp_group)))
         self.hardware = hardware
+        self.hcp_a2a_size = a2a_size if isinstance(hardware, Cluster) else None
         # sequence parallelism splits each rank's packed tokens over the TP ranks
         self.pad_multiple = dist.get_world_size(tp_group) if sequence_parallel else 1
         self.position = groups.position
@@ -174,7 +182,7 @@ class DynamicCPDataPath:
         all_ids, lengths = self._global_lengths(
             ids, [int(local[i].shape[1]) if local else 0 for i in ids])
         plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
-                        hardware=self.hardware,
+                        hardware=self.hardware, hcp_a2a_size=self.hcp_a2a_size,
                         min_cp_size=self.min_cp_size, vpp=self.multiple)
         self._check_same_plan(plan, all_ids)
         n_local = len(ids)

@@ -30,7 +30,11 @@ Algorithm (deterministic; no hashing, no randomness):
    the plans within 1 % of the best makespan, the fewest micro-batches (fewer barriers, larger
    packs) and then the least splitting (token-weighted group size) win; given
    ``hardware``, the makespan is the projected step time including the exposed CP ring traffic
-   (:mod:`.projection`), which prices splitting itself. With VPP the count is a multiple of
+   (:mod:`.projection`), which prices splitting itself: a :class:`~.projection.Hardware` is one
+   link for every group; a :class:`~.projection.Cluster` has two link classes (a group of ``c``
+   aligned ranks lies inside a node iff ``c <= gpus_per_node``) and, with ``hcp_a2a_size=a``
+   (dynamic hierarchical CP), prices each group as an a2a level of ``min(c, a)`` ranks plus a
+   ring over ``c / min(c, a)``. With VPP the count is a multiple of
    ``k`` (padded with empty micro-batches, reported, only when no candidate reaches one).
 """
 
@@ -46,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import CPConfigError, is_power_of_two, parse_int
-from .projection import Hardware, group_seconds
+from .projection import Cluster, Hardware, group_pricer
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
 __all__ = ["Group", "MicroBatch", "Plan", "schedule"]
@@ -117,6 +121,51 @@ def _check_inputs(lengths, n, cap, min_cp_size, vpp) -> None:
     bad = [i for i, length in enumerate(lengths) if int(length) < 1]
     if bad:
         raise ScheduleError(f"samples {bad[:5]} have length < 1")
+
+
+def _check_pricing(hardware, hcp_a2a_size, n: int, model: GPTWorkload) -> None:
+    """Parameters of the hardware ranking: named, with the rule and the fix."""
+    if hardware is not None and not isinstance(hardware, (Hardware, Cluster)):
+        raise ScheduleError(f"hardware={hardware!r} must be a projection.Hardware (one link) or "
+                            "a projection.Cluster (two link classes); pass one of them or None")
+    if isinstance(hardware, Cluster):
+        for name, minimum in (("gpus_per_node", 1), ("nodes", 1)):
+            try:
+                parse_int(getattr(hardware, name), f"hardware.{name}", minimum=minimum,
+                          text=False)
+            except CPConfigError as err:
+                raise ScheduleError(str(err.violations[0])) from None
+        for name in ("flops_per_second", "intra_bytes_per_second", "inter_bytes_per_second",
+                     "intra_latency_seconds", "inter_latency_seconds"):
+            value = getattr(hardware, name)
+            rule = ">= 0" if "latency" in name else "> 0"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    value >= 0 if "latency" in name else value > 0):
+                raise ScheduleError(f"hardware.{name}={value!r} must be a number {rule}; "
+                                    f"give the Cluster a {name} {rule}")
+    if hcp_a2a_size is None:
+        return
+    try:
+        a = parse_int(hcp_a2a_size, "hcp_a2a_size", text=False)
+    except CPConfigError as err:
+        raise ScheduleError(str(err.violations[0])) from None
+    if not isinstance(hardware, Cluster):
+        raise ScheduleError(
+            f"hcp_a2a_size={a} needs hardware=Cluster(...): hierarchical groups are priced "
+            "with two link classes (the a2a level inside a node, the ring across); pass a "
+            "Cluster, or drop hcp_a2a_size for flat dynamic CP")
+    if a < 2 or not is_power_of_two(a) or a > n:
+        raise ScheduleError(
+            f"hcp_a2a_size={a} must be a power of two >= 2 and <= dp_cp={n} (the a2a level "
+            "tiles the aligned power-of-two dynamic groups); use 2, 4, 8, ... <= dp_cp, or None "
+            "for flat dynamic CP")
+    kv = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % a or (kv % a and a % kv):
+        raise ScheduleError(
+            f"hcp_a2a_size={a}: the a2a level splits the {model.num_attention_heads} query "
+            f"heads and the {kv} KV heads; it must divide the query heads and divide or be a "
+            "multiple of the KV heads (then they are replicated, as CPConfig allows for the "
+            "reference backend); use a smaller a2a size")
 
 
 class _Pool:
@@ -336,12 +385,18 @@ def schedule(
     workload: GPTWorkload | None = None,
     min_cp_size: int = 1,
     vpp: int = 1,
-    hardware: Hardware | None = None,
+    hardware: Hardware | Cluster | None = None,
+    hcp_a2a_size: int | None = None,
 ) -> Plan:
     """Schedule the global batch ``lengths`` (sample id = position) on ``dp_cp`` ranks.
 
     ``hardware`` (optional): rank candidate plans by projected seconds (compute plus exposed
-    CP ring traffic) instead of FLOPs makespan; needs ``workload.mode == "flops"``.
+    CP traffic) instead of FLOPs makespan; needs ``workload.mode == "flops"``. A
+    :class:`~.projection.Hardware` prices every group as a flat ring on one link; a
+    :class:`~.projection.Cluster` prices each group on the links its ranks need (inside a node
+    / across nodes). ``hcp_a2a_size`` (needs a Cluster): the a2a level of dynamic hierarchical
+    CP (``hierarchical_context_parallel_sizes[0]``); a group of ``c`` ranks is then priced as
+    a2a over ``min(c, a)`` plus a ring over ``c / min(c, a)``. None: flat dynamic CP.
     """
     try:  # the project's one strict parser: 100.7, "200" and True are not lengths
         lengths = [parse_int(x, f"lengths[{i}]", text=False) for i, x in enumerate(lengths)]
@@ -355,15 +410,18 @@ def schedule(
     model = workload or GPTWorkload()
     if hardware is not None and model.mode != "flops":
         raise ScheduleError(f"hardware= needs the flops cost model, not mode={model.mode!r}")
+    _check_pricing(hardware, hcp_a2a_size, n, model)
     c0 = [min_group_size(length, cap, n, min_cp_size) for length in lengths]
     total = [model.cost(length, 1) for length in lengths]  # cost(L, c) == cost(L, 1) / c
     cost1 = functools.lru_cache(maxsize=None)(lambda length: model.cost(length, 1))
 
+    price = group_pricer(model, hardware, hcp_a2a_size) if hardware is not None else None
+
     def mb_score(groups: dict, peak: float) -> float:
-        if hardware is None:
+        if price is None:
             return peak
-        return max((group_seconds(model, lengths, v, size, hardware)
-                    for (_, size), v in groups.items()), default=0.0)
+        return max((sum(price(lengths[s], start, size) for s in v)
+                    for (start, size), v in groups.items()), default=0.0)
 
     # lower bound on the micro-batch count: token capacity of N ranks
     m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))

@@ -135,7 +135,9 @@ RUNS = {
     "layout": ["--world-size", "--tp", "--cp", "--pp", "--ep", "--hcp", "--order"],
     "schedule": ["--dp-cp", "--max-seqlen-per-rank", "--min-cp-size", "--vpp", "--cost",
                  "--hidden", "--layers", "--heads", "--kv-heads", "--ffn", "--link-gbps",
-                 "--link-latency-us", "--tflops", "--lengths"],
+                 "--link-latency-us", "--tflops", "--lengths", "--gpus-per-node",
+                 "--intra-gbps", "--inter-gbps", "--intra-latency-us", "--inter-latency-us",
+                 "--hcp"],
     "patch check": ["--target"],
 }
 LAUNCH = ["--nnodes", "--node-rank", "--master-addr", "--master-port", "--platform"]
