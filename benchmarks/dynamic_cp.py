@@ -24,8 +24,17 @@ node, IB-like across), 8B- and 70B-like GQA models (8 KV heads), long-tail lengt
 tokens; projected step of static CP (dp_balanced, flat ring) against static HCP, flat dynamic
 CP and dynamic HCP (a2a level = one node), all computed in the same run.
 
+Table 4 (``--sweep``, only that table): robustness of the same scheduler (FLOPs mode) over
+models (hidden 512 / 8B-like / 70B-like), caps 512..16384 tokens per rank, length mixes
+(:mod:`megatron_hcp.dynamic_cp.mixes`) and N = 64, 256: efficiency (mean, min over batches),
+the peak tokens per rank against the cap, the slowest scheduling time, and the lower bounds of
+:mod:`megatron_hcp.dynamic_cp.bounds` (the FLOPs optimum is total work / N, so efficiency is
+the ratio to that tight bound; ``nosplit`` = the bound for plans that keep every sequence on its
+smallest legal group, as a share of ideal: below the target means the target needs spreading).
+
 Run: ``.venv/bin/python benchmarks/dynamic_cp.py [--samples 2048] [--seeds 4]``;
-``.venv/bin/python benchmarks/dynamic_cp.py --hierarchical [--seeds 3] [--inter-gbps 50]``
+``.venv/bin/python benchmarks/dynamic_cp.py --hierarchical [--seeds 3] [--inter-gbps 50]``;
+``.venv/bin/python benchmarks/dynamic_cp.py --sweep [--seeds 2]``
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hcp.dynamic_cp.bounds import free_split_bound, min_group_bound  # noqa: E402
+from megatron_hcp.dynamic_cp.mixes import MIXES, length_mix  # noqa: E402
 from megatron_hcp.dynamic_cp.projection import (  # noqa: E402
     Cluster,
     Hardware,
@@ -255,6 +266,44 @@ def hierarchical_table(args, rng) -> None:
               f"{r[:, 6].mean():>7.1f} {r[:, 7].max():>7.2f}")
 
 
+HUGE = GPTWorkload(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                   num_attention_heads=64, num_query_groups=8, gated_mlp=True)
+SWEEP_MODELS = {"h512": MODEL, "8B-like": LARGE, "70B-like": HUGE}
+SWEEP_CAPS = (512, 1024, 2048, 4096, 8192, 16384)
+TARGETS = {64: 0.97, 256: 0.96}
+
+
+def sweep_table(args, rng) -> None:
+    """Table 4: efficiency over models x caps x mixes x N, against the lower bounds."""
+    print(f"Table 4 - robustness sweep (FLOPs model), {args.samples} samples per batch, "
+          f"{args.seeds} batches per row (mean, min); targets: N=64 >= 0.97, N=256 >= 0.96")
+    print(f"{'model':9} {'N':>4} {'cap':>6} {'mix':10} | {'eff':>6} {'min':>6} | "
+          f"{'nosplit':>7} | {'peak/cap':>8} {'max s':>5} |")
+    print("-" * 80)
+    misses = 0
+    for name, model in SWEEP_MODELS.items():
+        for n in TARGETS:
+            for cap in SWEEP_CAPS:
+                for mix in MIXES:
+                    effs, nosplit, peak, slowest = [], [], 0, 0.0
+                    for _ in range(args.seeds):
+                        lengths = length_mix(mix, rng, args.samples, n, cap)
+                        t0 = time.perf_counter()
+                        plan = schedule(lengths, n, cap, workload=model)
+                        slowest = max(slowest, time.perf_counter() - t0)
+                        ideal = free_split_bound(lengths, n, model)
+                        assert abs(plan.summary["ideal"] - ideal) <= 1e-9 * ideal
+                        effs.append(ideal / plan.summary["makespan"])
+                        nosplit.append(ideal / min_group_bound(lengths, n, cap, model))
+                        peak = max(peak, plan.summary["peak_tokens_per_rank"])
+                    miss = min(effs) < TARGETS[n]
+                    misses += miss
+                    print(f"{name:9} {n:4d} {cap:6d} {mix:10} | {np.mean(effs):6.3f} "
+                          f"{min(effs):6.3f} | {min(nosplit):7.3f} | {peak / cap:8.2f} "
+                          f"{slowest:5.2f} |{' MISS' if miss else ''}")
+    print(f"rows below the target: {misses}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2048)
@@ -266,8 +315,13 @@ def main() -> None:
                         help="Table 3: GB/s per GPU inside a node")
     parser.add_argument("--inter-gbps", type=float, default=50.0,
                         help="Table 3: GB/s per GPU across nodes")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only Table 4: models x caps x length mixes x N, with lower bounds")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
+    if args.sweep:
+        sweep_table(args, rng)
+        return
     if args.hierarchical:
         hierarchical_table(args, rng)
         return

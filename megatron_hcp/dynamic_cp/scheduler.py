@@ -41,6 +41,7 @@ Algorithm (deterministic; no hashing, no randomness):
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
@@ -61,6 +62,9 @@ _SPREAD_RULES = ((1.5, True), (2.0, False), (math.inf, True))
 # least splitting, win
 _MAKESPAN_TOLERANCE = 0.01
 _LAST_LEVEL_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2)
+# a micro-batch's slowest rank may exceed its mean by this share before groups are spread
+# further (``_Packer._equalize``): balance against splitting
+_EQUALIZE_SLACK = 0.02
 _EXTRA_MICRO_BATCHES = 4  # candidates above the token-capacity bound that are tried
 
 
@@ -239,8 +243,10 @@ class _Block:
 class _Packer:
     """Builds micro-batches one at a time at a given per-rank cost level."""
 
-    def __init__(self, lengths, n, cap, total, c0, cost1, rule):
+    def __init__(self, lengths, n, cap, total, c0, cost1, rule, group_score):
         self.lengths, self.n, self.cap, self.rule = lengths, n, cap, rule
+        self.group_score = group_score  # (start, size), samples -> per-rank cost or seconds
+        self.length_array = np.asarray(lengths, dtype=np.int64)
         self.total, self.c0, self.cost1 = total, c0, cost1
         # covering order: heaviest per rank at the minimum group size first
         self.order = sorted(range(len(lengths)), key=lambda s: (-total[s] / c0[s], s))
@@ -290,7 +296,12 @@ class _Packer:
         return out
 
     def _fits(self, samples: list[int], size: int) -> bool:
-        return sum(tokens_per_rank(self.lengths[s], size) for s in samples) <= self.cap
+        """The ranks of a group of ``size`` running ``samples`` hold at most ``cap`` tokens
+        (:func:`~.workload.tokens_per_rank`, vectorized: padded to ``2 * size``)."""
+        if len(samples) < 16:
+            return sum(tokens_per_rank(self.lengths[s], size) for s in samples) <= self.cap
+        held = -(-self.length_array[samples] // (2 * size)) * 2
+        return int(held.sum()) <= self.cap
 
     def _micro_batch(self, pool: _Pool, level: float):
         n, total, c0 = self.n, self.total, self.c0
@@ -343,9 +354,79 @@ class _Packer:
         work = sum(total[s] for b in blocks for s in b.samples)
         groups = {(b.start, b.size): b.samples for b in blocks}
         idle = _absorb_idle(groups, n, self._fits) if free else ()
-        peak = max(sum(total[s] for s in samples) / size
+        groups = self._equalize(groups, work)
+        return groups, idle, self._peak(groups), work
+
+    def _peak(self, groups: dict) -> float:
+        return max(sum(self.total[s] for s in samples) / size
                    for (_, size), samples in groups.items())
-        return groups, idle, peak, work
+
+    def _equalize(self, groups: dict, work: float) -> dict:
+        """Spread the slowest groups over larger aligned blocks while that helps.
+
+        The leftovers of a batch rarely balance at their smallest groups; a group merged with
+        the rest of an aligned block around it carries the same work over more ranks, at the
+        block's average per-rank cost (never above its slowest member). Heaviest group first,
+        the smallest block that lowers its per-rank cost, fits the cap, and whose merged group
+        scores (per-rank cost; given hardware, projected time with its communication) below
+        the group alone and not above the micro-batch is taken; until the slowest rank is within :data:`_EQUALIZE_SLACK` of the mean or no
+        group can be helped.
+        """
+        n, total, lengths = self.n, self.total, self.lengths
+        target = work / n * (1 + _EQUALIZE_SLACK)
+        # per group: work, summed length, sequence count
+        stats = {k: (sum(total[s] for s in v), sum(lengths[s] for s in v), len(v))
+                 for k, v in groups.items()}
+        if max(w / k[1] for k, (w, _, _) in stats.items()) <= target:
+            return groups
+        scores = {k: self.group_score(k, v) for k, v in groups.items()}
+        limit = max(scores.values())
+        owner: list = [None] * n
+        for k in groups:
+            owner[k[0]:k[0] + k[1]] = [k] * k[1]
+        heap = [(-w / k[1], k) for k, (w, _, _) in stats.items() if w / k[1] > target]
+        heapq.heapify(heap)
+        while heap:
+            _, key = heapq.heappop(heap)
+            if key not in groups:
+                continue  # merged into a block already
+            merged = self._merge_up(groups, stats, scores, owner, key, limit)
+            if merged is not None:
+                limit = max(scores.values())
+                if stats[merged][0] / merged[1] > target:
+                    heapq.heappush(heap, (-stats[merged][0] / merged[1], merged))
+        return groups
+
+    def _merge_up(self, groups: dict, stats: dict, scores: dict, owner: list,
+                  key: tuple, limit: float) -> tuple | None:
+        """Merge group ``key`` into the smallest aligned block around it that helps
+        (``_equalize``; ``limit``: the micro-batch's score), in place; the merged group's key,
+        or None when no block helps."""
+        start, size = key
+        own = stats[key][0] / size
+        block = 2 * size
+        while block <= self.n:
+            first = start - start % block
+            members = list(dict.fromkeys(k for k in owner[first:first + block] if k is not None))
+            work = sum(stats[k][0] for k in members)
+            if work / block < own * (1 - 1e-12):
+                raw = sum(stats[k][1] for k in members)
+                count = sum(stats[k][2] for k in members)
+                samples = [s for k in members for s in groups[k]]
+                # tokens_per_rank(L, b) <= L / b + 2: the exact sum only when that bound fails
+                if raw / block + 2 * count <= self.cap or self._fits(samples, block):
+                    merged = (first, block)
+                    score = self.group_score(merged, samples)
+                    # faster than the group alone was, and not slower than the micro-batch
+                    if score < scores[key] * (1 - 1e-12) and score <= limit * (1 + 1e-12):
+                        for k in members:
+                            del groups[k], stats[k], scores[k]
+                        groups[merged], scores[merged] = samples, score
+                        stats[merged] = (work, raw, count)
+                        owner[first:first + block] = [merged] * block
+                        return merged
+            block *= 2
+        return None
 
 
 def _absorb_idle(groups: dict, n: int, fits=None) -> tuple[int, ...]:
@@ -417,11 +498,16 @@ def schedule(
 
     price = group_pricer(model, hardware, hcp_a2a_size) if hardware is not None else None
 
+    def group_score(key: tuple, samples: list) -> float:
+        start, size = key
+        if price is None:
+            return sum(total[s] for s in samples) / size
+        return sum(price(lengths[s], start, size) for s in samples)
+
     def mb_score(groups: dict, peak: float) -> float:
         if price is None:
             return peak
-        return max((sum(price(lengths[s], start, size) for s in v)
-                    for (start, size), v in groups.items()), default=0.0)
+        return max((group_score(k, v) for k, v in groups.items()), default=0.0)
 
     # lower bound on the micro-batch count: token capacity of N ranks
     m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))
@@ -431,7 +517,7 @@ def schedule(
     tolerance = 1e-9 if hardware else _MAKESPAN_TOLERANCE
     candidates, budget = [], math.inf  # budget: what a plan may score and still be chosen
     for rule in _SPREAD_RULES:
-        packer = _Packer(lengths, n, cap, total, c0, cost1, rule)
+        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, group_score)
         for m in counts:
             result = packer.run(m, mb_score, budget)
             if result is None:
