@@ -369,8 +369,8 @@ class _Packer:
         block's average per-rank cost (never above its slowest member). Heaviest group first,
         the smallest block that lowers its per-rank cost, fits the cap, and whose merged group
         scores (per-rank cost; given hardware, projected time with its communication) below
-        the group alone and not above the micro-batch is taken; until the slowest rank is within :data:`_EQUALIZE_SLACK` of the mean or no
-        group can be helped.
+        the group alone and not above the micro-batch is taken; until the slowest rank is
+        within :data:`_EQUALIZE_SLACK` of the mean or no group can be helped.
         """
         n, total, lengths = self.n, self.total, self.lengths
         target = work / n * (1 + _EQUALIZE_SLACK)
