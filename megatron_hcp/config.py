@@ -522,12 +522,8 @@ class CPConfig:
             out.append(Violation("softmax_type", self.softmax_type,
                                  f"must be one of {', '.join(SOFTMAX_TYPES)}", "pick one of those"))
         elif self.softmax_type != "vanilla" and self.context_parallel_size > 1:
-            if self.backend == "reference":
-                out.append(Violation(
-                    "softmax_type", self.softmax_type,
-                    "the reference CP backend does not implement softmax offsets yet (backend "
-                    "reference)", "use softmax_type=vanilla, or the te backend with a2a"))
-            elif any(t != "a2a" for t in self.comm_types):
+            # the reference backend runs softmax offsets with every comm type
+            if self.backend == "te" and any(t != "a2a" for t in self.comm_types):
                 out.append(Violation(
                     "softmax_type", self.softmax_type,
                     "Transformer Engine runs softmax offsets (sinks) with CP only with a2a "

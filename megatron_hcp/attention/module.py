@@ -31,7 +31,8 @@ _FULL = {AttnMaskType.no_mask, AttnMaskType.padding}
 class ReferenceCPAttention(MegatronModule):
     """megatron core attention (``[s, b, h, d]`` or packed ``thd``) with CP on any backend.
 
-    Same constructor and forward contract as megatron's ``DotProductAttention``; CP groups are
+    Same constructor and forward contract as megatron's ``DotProductAttention`` (with its
+    ``window_size`` and ``softmax_type`` config fields); CP groups are
     resolved per call (static groups from ``pg_collection``; dynamic ones from
     ``packed_seq_params``). Attention dropout is not implemented (set ``attention_dropout=0``);
     an explicit ``attention_mask`` is honoured only as "causal" or "none" through the mask type.
@@ -62,12 +63,7 @@ class ReferenceCPAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.cp_comm_type = cp_comm_type
-        softmax_type = getattr(config, "softmax_type", "vanilla")
-        if softmax_type != "vanilla":
-            raise ValueError(
-                f"softmax_type={softmax_type!r}: the reference CP attention implements only "
-                "'vanilla' softmax so far; use softmax_type='vanilla' or the te backend"
-            )
+        self._init_softmax_offset(config)
         if getattr(config, "window_attn_skip_freq", None) is not None:
             raise ValueError(
                 f"window_attn_skip_freq={config.window_attn_skip_freq!r}: the reference CP "
@@ -81,6 +77,31 @@ class ReferenceCPAttention(MegatronModule):
         self.static_groups = resolve_cp_groups(
             config.context_parallel_size, cp_comm_type, pg_collection
         )
+
+    def _init_softmax_offset(self, config) -> None:
+        """megatron's ``softmax_type``: ``vanilla`` (none), ``off-by-one`` (zero offsets) or
+        ``learnable`` (a parameter per local head, initialized with ``config.init_method``
+        and marked tensor-parallel along the heads, so TP shards it like the heads)."""
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype),
+                                 persistent=False)
+        elif softmax_type == "learnable":
+            from megatron.core.tensor_parallel.layers import (
+                set_tensor_model_parallel_attributes,
+            )
+
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads,
+                                                                 dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        else:
+            raise ValueError(f"softmax_type={softmax_type!r}: use vanilla, off-by-one or "
+                             "learnable")
 
     def cp_groups(self, packed_seq_params: Any = None) -> CPGroups:
         if not uses_dynamic_cp(packed_seq_params):
@@ -114,7 +135,8 @@ class ReferenceCPAttention(MegatronModule):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         kwargs: dict[str, Any] = dict(causal=causal, softmax_scale=self.softmax_scale,
                                       qkv_format="thd" if thd else "sbhd",
-                                      window_size=self.window_size)
+                                      window_size=self.window_size,
+                                      softmax_offset=self.softmax_offset)
         if thd:
             kwargs.update(
                 cu_seqlens_q=packed_seq_params.cu_seqlens_q,

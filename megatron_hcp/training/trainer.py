@@ -183,13 +183,14 @@ def deterministic_init(model: torch.nn.Module, seed: int, tp_rank: int, tp_size:
     """Re-draw every matrix from a seed tied to its global name, then take this TP shard.
 
     The model is then the same whatever the TP/PP/CP layout (megatron's own init depends on
-    the pipeline stage); vectors keep megatron's constant init (norm weights 1, biases 0).
+    the pipeline stage); vectors keep megatron's constant init (norm weights 1, biases 0),
+    except the learnable softmax offset, which megatron draws at random: it is re-drawn too.
     """
     import zlib
 
     with torch.no_grad():
         for name, param in _global_param_names(model).items():
-            if param.dim() < 2:
+            if param.dim() < 2 and not name.endswith("softmax_offset"):
                 continue
             shape = list(param.shape)
             split = getattr(param, "tensor_model_parallel", False) and tp_size > 1

@@ -156,17 +156,18 @@ def test_window_and_softmax_offset_rules_per_backend():
     CPConfig(context_parallel_size=4, window_size=[-1, -1], **te).validate()  # no window
     with pytest.raises(CPConfigError, match="window_size"):
         CPConfig(context_parallel_size=4, window_size=[128]).validate()
-    # softmax offsets: TE only with a2a; the reference backend does not implement them yet
+    # softmax offsets: TE only with a2a; the reference backend with every comm type
     CPConfig(context_parallel_size=4, cp_comm_type="a2a", softmax_type="learnable",
              **te).validate()
     with pytest.raises(CPConfigError) as info:
         CPConfig(context_parallel_size=4, cp_comm_type="p2p", softmax_type="off-by-one",
                  **te).validate()
     assert "only with a2a (backend te" in str(info.value)
-    with pytest.raises(CPConfigError) as info:
-        CPConfig(context_parallel_size=4, cp_comm_type="a2a", softmax_type="off-by-one",
+    for comm in ("p2p", "all_gather", "a2a"):
+        CPConfig(context_parallel_size=4, cp_comm_type=comm, softmax_type="off-by-one",
                  **ref).validate()
-    assert "does not implement softmax offsets yet (backend reference)" in str(info.value)
+    CPConfig(context_parallel_size=4, cp_comm_type="a2a+p2p", softmax_type="learnable",
+             hierarchical_context_parallel_sizes=[2, 2], **ref).validate()
     with pytest.raises(CPConfigError, match="softmax_type"):
         CPConfig(softmax_type="sink").validate()
     assert cli_main(["check-config", "context_parallel_size=4", "window_size=[128,0]",

@@ -79,15 +79,25 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
     return [x.to(dtype) for x in (q, k, v, dout)], meta
 
 
-def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None):
+def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, sink=None):
+    """``sink``: None, "off-by-one" (zero offsets) or "learnable" (random, with gradient;
+    ``cp`` must then be the world: the offset's gradient is summed over it)."""
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
     (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id, dv=dv)
     pad = meta.get("cu_seqlens_padded")
+    offset = ref_offset = None
+    if sink is not None:
+        gen = torch.Generator().manual_seed(seed)
+        offset = (torch.zeros(heads[0], dtype=dtype) if sink == "off-by-one" else
+                  torch.randn(heads[0], generator=gen, dtype=torch.float64).to(dtype) + 1.0)
+        offset.requires_grad_(sink == "learnable")
+        ref_offset = offset.detach().clone().requires_grad_(sink == "learnable")
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     ref = full_attention(*ref_in, causal=causal, qkv_format=fmt, window_size=window,
-                         cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad)
+                         cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad,
+                         softmax_offset=ref_offset)
     ref.backward(dout)
 
     def shard(x):
@@ -98,6 +108,7 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None):
         *local, cp_comm_type=comm, cp_group=group, causal=causal, qkv_format=fmt,
         cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_kv=meta.get("cu_seqlens"),
         cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, window_size=window,
+        softmax_offset=offset,
     )
     out.backward(shard(dout))
     assert out.shape == shard(ref).shape and local[2].grad.shape == local[2].shape
@@ -107,6 +118,11 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None):
         "dk": (local[1].grad - shard(ref_in[1].grad)).abs().max().item(),
         "dv": (local[2].grad - shard(ref_in[2].grad)).abs().max().item(),
     }
+    if sink == "learnable":  # each rank's part covers its rows (and heads): sum over CP
+        assert cp == WORLD
+        grad = offset.grad.clone()
+        dist.all_reduce(grad)
+        errors["dsink"] = (grad - ref_offset.grad).abs().max().item()
     if fmt == "thd":  # padding rows: exactly zero output and no gradient
         valid = shard(meta["valid"])
         errors["pad_out"] = out[~valid].abs().max().item() if (~valid).any() else 0.0
@@ -167,6 +183,19 @@ def test_sliding_window(world, comm):
     """window_size=(left, right) on load-balanced chunks, every format, causal and full."""
     cases = [
         (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None, WINDOWS[seed % len(WINDOWS)])
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_softmax_offset(world, comm):
+    """Softmax with an offset (a sink logit per head): learnable, with its gradient summed over
+    CP, and off-by-one; every format, causal and full, GQA and a window on one case."""
+    cases = [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None,
+         (2, 1) if seed == 5 else None, "off-by-one" if seed % 4 == 3 else "learnable")
         for seed, (fmt, causal, dtype) in enumerate(itertools.product(
             FORMATS, [True, False], [torch.float64, torch.float32]))
     ]

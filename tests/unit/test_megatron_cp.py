@@ -13,7 +13,7 @@ WORLD = 4
 RTOL = 1e-5
 
 
-def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False):
+def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False, extra=None):
     """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer."""
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
@@ -34,7 +34,7 @@ def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False):
             tensor_model_parallel_size=tp, context_parallel_size=cp,
             pipeline_model_parallel_size=pp, cp_comm_type=comm,
             hierarchical_context_parallel_sizes=hcp, share_embeddings_and_output_weights=tied,
-            sequence_parallel=sp))
+            sequence_parallel=sp, extra_config=extra or {}))
     finally:
         destroy_model_parallel()
 
@@ -79,6 +79,28 @@ def test_cp_training_equals_cp1(world, baseline, tp, cp, pp, comm, hcp, sp):
             assert rel <= RTOL, (rank, key, run[key], baseline[key])
     # the model really trains (the check would be empty on a frozen model)
     assert baseline["loss"][0] != baseline["loss"][-1]
+
+
+def assert_runs_equal(runs, want):
+    for rank, run in enumerate(runs):
+        for key in ("loss", "grad_norm"):
+            got, ref = torch.tensor(run[key]), torch.tensor(want[key])
+            assert ((got - ref).abs() / ref.abs()).max() <= RTOL, (rank, key, run, want)
+
+
+@pytest.mark.parametrize("extra, layouts", [
+    ({"window_size": (5, 0)}, [(1, 4, 1, "p2p", None), (1, 4, 1, "a2a+p2p", [2, 2])]),
+    ({"softmax_type": "learnable"}, [(1, 4, 1, "p2p", None), (2, 2, 1, "all_gather", None),
+                                     (1, 4, 1, "a2a+p2p", [2, 2])]),
+    ({"softmax_type": "off-by-one"}, [(1, 2, 2, "a2a", None)]),
+])
+def test_attention_features_train_like_cp1(world, extra, layouts):
+    """Sliding window and softmax offsets (megatron's config fields, read by the reference
+    attention) with CP, TP and PP train like one rank; the feature changes the run."""
+    want = world.run(train, 1, 1, 1, "p2p", None, extra=extra)[0]
+    assert want["loss"] != world.run(train, 1, 1, 1, "p2p", None)[0]["loss"]
+    for tp, cp, pp, comm, hcp in layouts:
+        assert_runs_equal(world.run(train, tp, cp, pp, comm, hcp, extra=extra), want)
 
 
 def test_tied_embeddings_across_pipeline_stages(world):

@@ -114,6 +114,7 @@ def context_parallel_attention(
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
 
@@ -128,6 +129,11 @@ def context_parallel_attention(
     gradient. Self-attention only: q and kv share the packing. ``window_size=(left, right)``:
     sliding window (query at position i sees keys i-left .. i+right of its sequence, ``-1`` =
     unbounded, with ``causal`` also keys <= i), as Transformer Engine's ``window_size``.
+    ``softmax_offset`` [h] (one per query head of ``q``): an extra logit per head in every
+    row's softmax denominator (a "sink" key with value 0) - zeros for megatron's
+    ``softmax_type="off-by-one"``, a parameter for ``"learnable"``. Its gradient on each rank
+    covers that rank's rows (and, after a2a, its heads); summed over the CP group (as
+    megatron's DDP sums gradients over DPxCP) it is the full gradient.
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
@@ -135,7 +141,7 @@ def context_parallel_attention(
     return _attention(
         q, k, v, cp_comm_type, _groups(cp_comm_type, cp_group), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
-        window,
+        window, softmax_offset,
     )
 
 
@@ -152,12 +158,13 @@ def local_attention(
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same attention without CP (one rank holds whole sequences); no communication."""
     return _attention(
         q, k, v, "p2p", (None, None, 1, 1, 0), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
-        check_window(window_size),
+        check_window(window_size), softmax_offset,
     )
 
 
@@ -178,8 +185,8 @@ def check_window(window_size) -> tuple[int, int] | None:
 
 
 def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-               cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale, window
-               ) -> torch.Tensor:
+               cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale, window,
+               softmax_offset=None) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
     expected_dims = 3 if qkv_format == "thd" else 4
@@ -200,6 +207,11 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
             "head dim (only v may have its own, as in MLA's v_head_dim)"
         )
     _check_heads(qh.shape[1], kh.shape[1], a)
+    sink = softmax_offset
+    if sink is not None and (sink.dim() != 1 or sink.shape[0] != qh.shape[1]):
+        raise CPAttentionError(
+            f"softmax_offset has shape {list(sink.shape)}; it needs one value per query head "
+            f"of q: [{qh.shape[1]}]")
     if qkv_format == "thd":
         if cu_seqlens_q is None:
             raise CPAttentionError("qkv_format='thd' needs cu_seqlens_q (full packed batch)")
@@ -238,11 +250,15 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         inv = torch.argsort(perm)
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
+        if sink is not None:  # after the a2a this rank holds the heads of its a2a index
+            sink = sink.view(a, -1)[dist.get_rank(a2a_group)]
     if cp_comm_type == "all_gather":
-        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale, window)
+        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale, window,
+                                       sink)
     else:
         ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
-        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale, window)
+        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale, window,
+                                  sink)
     if a > 1:
         out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
     return _from_bhsd(out, qkv_format)

@@ -75,6 +75,26 @@ def _new_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return out, lse
 
 
+def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None
+                ) -> torch.Tensor:
+    """Add the softmax offset (one extra logit per head, a key with value 0) to every query
+    row, once, after all blocks merged: rescales ``out`` in place, returns the new LSE."""
+    if sink is None:
+        return lse
+    total = torch.logaddexp(lse, sink.to(lse.dtype).view(1, -1, 1))
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    return total
+
+
+def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor
+               ) -> torch.Tensor:
+    """d loss / d sink of this rank's rows: the sink's probability times ``-rowsum(dO * O)``,
+    summed over batch and rows (its value is 0, so it only takes share from the others)."""
+    delta = (dout.to(out.dtype) * out).sum(-1)
+    prob = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(prob * delta).sum((0, 2)).to(sink.dtype)
+
+
 def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int):
     """Yield ``(src, kv of src)`` for each of the ``p`` ring steps.
 
@@ -98,7 +118,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
-                scale: float, window: Window = None):
+                scale: float, window: Window = None, sink: torch.Tensor | None = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
         out, lse = _new_acc(q, v)
         for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
@@ -107,13 +127,14 @@ class RingAttention(torch.autograd.Function):
             if block is not None:  # outside the window: pass the K/V on, compute nothing
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 _forward_block(q, kj, vj, block, scale, out, lse)
-        ctx.save_for_backward(q, k, v, out, lse)
+        lse = _apply_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (layout, group, ranks, causal, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         layout, group, ranks, causal, scale, window = ctx.meta
         dout = dout.contiguous()
         p, pos = len(ranks), layout.position
@@ -134,8 +155,9 @@ class RingAttention(torch.autograd.Function):
                     w.wait()
                 dkv = arrived
         dk, dv = _unpack(dkv, k.shape, v.shape)
+        dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                None)
+                None, dsink)
 
 
 def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool
@@ -190,7 +212,7 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float,
-                window: Window = None):
+                window: Window = None, sink: torch.Tensor | None = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
         out, lse = _new_acc(q, v)
@@ -205,13 +227,14 @@ class AllGatherAttention(torch.autograd.Function):
             _forward_block(q, kj, vj, block, scale, out, lse)
         if work is not None:
             work.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        lse = _apply_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (layout, group, causal, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         layout, group, causal, scale, window = ctx.meta
         dout = dout.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)  # again: O(local) saved
@@ -245,7 +268,9 @@ class AllGatherAttention(torch.autograd.Function):
         mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
         comm.reduce_scatter_tensor(mine, dkv_all.view(-1), group)
         dk, dv = _unpack(mine, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                dsink)
 
 
 def _seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor) -> torch.Tensor:

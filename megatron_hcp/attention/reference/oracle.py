@@ -14,7 +14,7 @@ from ...sharding import seq_lengths
 __all__ = ["full_attention"]
 
 
-def _attend(q, k, v, causal, scale, window=None):
+def _attend(q, k, v, causal, scale, window=None, sink=None):
     # q [s, h, d], k [s, hkv, d], v [s, hkv, dv]; window (left, right), -1 = unbounded
     reps = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
@@ -29,6 +29,10 @@ def _attend(q, k, v, causal, scale, window=None):
     if window is not None and window[1] >= 0:
         visible &= j <= i + window[1]
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:  # one more key per head: logit sink[h], value 0
+        column = sink.view(-1, 1, 1).expand(-1, s, 1).to(scores.dtype)
+        return torch.einsum("hqk,khd->qhd", torch.cat([scores, column], -1).softmax(-1)[..., :-1],
+                            v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -43,17 +47,20 @@ def full_attention(
     cu_seqlens_padded: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over whole (unsharded) tensors; ``thd`` padding rows give 0. ``window_size``
-    ``(left, right)``: query i sees keys i-left .. i+right of its sequence (-1 = unbounded)."""
+    ``(left, right)``: query i sees keys i-left .. i+right of its sequence (-1 = unbounded).
+    ``softmax_offset`` [h]: an extra logit per head in every softmax (a key with value 0)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    w = window_size
+    w, sink = window_size, softmax_offset
     if qkv_format == "bshd":
-        return torch.stack([_attend(q[b], k[b], v[b], causal, scale, w)
+        return torch.stack([_attend(q[b], k[b], v[b], causal, scale, w, sink)
                             for b in range(q.shape[0])])
     if qkv_format == "sbhd":
         out = full_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                             causal=causal, softmax_scale=scale, window_size=w)
+                             causal=causal, softmax_scale=scale, window_size=w,
+                             softmax_offset=sink)
         return out.transpose(0, 1)
     assert cu_seqlens is not None
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
@@ -61,7 +68,7 @@ def full_attention(
     start = 0
     for n, p in zip(seq_lengths(cu_seqlens), seq_lengths(padded)):
         sl = slice(start, start + n)
-        parts.append(_attend(q[sl], k[sl], v[sl], causal, scale, w))
+        parts.append(_attend(q[sl], k[sl], v[sl], causal, scale, w, sink))
         parts.append(q.new_zeros((p - n, q.shape[1], v.shape[-1])))
         start += p
     return torch.cat(parts)
