@@ -117,6 +117,20 @@ EDITS: dict[str, list] = {
     "cpu-optimizer-device": _torch_view_edit("cpu-optimizer-device"),
     "cpu-grad-norm-device": _torch_view_edit("cpu-grad-norm-device"),
     "cpu-mtp-loss-tracker": _torch_view_edit("cpu-mtp-loss-tracker"),
+    "mla-without-te": [(
+        "megatron/core/transformer/multi_latent_attention.py",
+        "    HAVE_TE = True\nexcept ImportError:\n",
+        "    HAVE_TE = True\n"
+        "    # megatron-hcp mla-without-te: the TE extension also imports without Transformer\n"
+        "    # Engine, with MagicMock classes that isinstance() rejects\n"
+        "    from megatron.core.extensions.transformer_engine import HAVE_TE as _TE_PRESENT\n"
+        "\n"
+        "    if not _TE_PRESENT:\n"
+        "\n"
+        "        class TELinear:  # nothing is an instance of it\n"
+        "            pass\n"
+        "\n"
+        "except ImportError:\n")],
     "cpu-sequence-parallel": [
         _append(f"megatron/core/tensor_parallel/{name}.py",
                 _view_tail("cpu-sequence-parallel", by_name(["cpu-sequence-parallel"])[0].summary))

@@ -48,6 +48,8 @@ class ReferenceCPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -71,7 +73,9 @@ class ReferenceCPAttention(MegatronModule):
             )
         window = getattr(config, "window_size", None)
         self.window_size = check_window(None if window is None else tuple(window))
-        head_dim = config.kv_channels
+        # MLA passes q/k's and v's head dims (k_channels, v_channels); the kernels read v's
+        # from the tensors, the default scale uses q/k's
+        head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         # Fail at build time, not mid-step, when CP is configured but its groups are missing.
         self.static_groups = resolve_cp_groups(

@@ -197,6 +197,18 @@ def _make_embedding_sync(original):
     return setup_embeddings_and_output_layer
 
 
+class _AbsentTELinear:
+    """Stands for TE's ``TELinear`` where Transformer Engine is absent: nothing is one."""
+
+
+def _mla_te_linear(original: Any) -> Any:
+    """``multi_latent_attention.TELinear``: the real class with TE, else a class no layer is an
+    instance of (megatron's TE extension gives a MagicMock, which ``isinstance`` rejects)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    return original if getattr(te_ext, "HAVE_TE", False) else _AbsentTELinear
+
+
 _ROPE = "megatron.core.models.common.embeddings"
 
 CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
@@ -300,6 +312,21 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
             Target("megatron.core.tensor_parallel.random", "torch", CpuDeviceTorch),
             Target("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _make_rng_get),
             Target("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _make_rng_set),
+        ),
+        category="cpu-runtime",
+    ),
+    Patch(
+        name="mla-without-te",
+        summary="multi-latent attention builds without Transformer Engine (TELinear is a class "
+        "no layer is an instance of, not the TE extension's MagicMock)",
+        upstream="megatron/core/transformer/multi_latent_attention.py:53-65 HAVE_TE = True "
+        "whenever megatron's TE extension imports (it also imports without TE, with MagicMock "
+        "classes), so MLASelfAttention.__init__ (185) raises on isinstance(linear_proj, TELinear)",
+        versions=("0.16.1",),
+        fixed_in="0.17.0",
+        targets=(
+            Target("megatron.core.transformer.multi_latent_attention", "TELinear",
+                   _mla_te_linear),
         ),
         category="cpu-runtime",
     ),

@@ -38,6 +38,7 @@ SERIES: tuple[str, ...] = (
     "attention-dynamic-cp-rope", "cross-entropy-model-tp-group", "destroy-forgets-stale-groups",
     "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
     "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr", "cpu-sequence-parallel",
+    "mla-without-te",
 )
 
 

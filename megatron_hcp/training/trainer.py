@@ -106,9 +106,15 @@ class TinyGPTSpec:
 
 
 def _transformer_config(spec: TinyGPTSpec):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
-    return TransformerConfig(
+    # multi-latent attention (extra_config multi_latent_attention=True plus MLA's head dims)
+    config_class = (MLATransformerConfig if spec.extra_config.get("multi_latent_attention")
+                    else TransformerConfig)
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -236,6 +242,11 @@ def _groups(pg_collection):
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def _layer_spec_kwargs(config: Any) -> dict[str, Any]:
+    """megatron's layer-spec options the config asks for (multi-latent attention)."""
+    return {"multi_latent_attention": True} if config.multi_latent_attention else {}
+
+
 def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) -> list[Any]:
     """The model chunks of this pipeline rank (one, or one per virtual stage)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -249,10 +260,11 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
             mtp = get_gpt_mtp_block_spec(
-                config, gpt_layer_spec(spec.attention_backend), use_transformer_engine=False,
+                config, gpt_layer_spec(spec.attention_backend, **_layer_spec_kwargs(config)),
+                use_transformer_engine=False,
                 vp_stage=vp if spec.virtual_pipeline_model_parallel_size else None,
                 pp_rank=pp_rank)
-        layers = gpt_layer_spec(spec.attention_backend)
+        layers = gpt_layer_spec(spec.attention_backend, **_layer_spec_kwargs(config))
         if config.sequence_parallel and uses_torch_norms(layers):
             if mtp is not None:
                 raise ValueError("sequence_parallel=True with mtp_num_layers: the MTP block's "
