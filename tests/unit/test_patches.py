@@ -45,7 +45,7 @@ def test_every_patch_applies_and_reverts_to_the_identical_original(clean):
     assert {p.name for p in ALL_PATCHES} - {p.name for p in HERE} == {
         "te-attention-hcp", "mamba-dynamic-cp-group", *FIXED_HERE}  # TE / triton + mamba_ssm
     assert FIXED_HERE == ({"cross-entropy-model-tp-group", "pg-collection-repr",
-                           "chained-optimizer-count-zeros-tp-group"}
+                           "chained-optimizer-count-zeros-tp-group", "mla-without-te"}
                           if INSTALLED == "0.19.2" else set())
     before = snapshot(HERE)
     assert apply(HERE) == [p.name for p in HERE]
@@ -68,6 +68,11 @@ def test_te_patch_refused_clearly_without_te(clean):
 @pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
 def test_refused_on_other_versions_without_changing_anything(clean, patch):
     written = f"written for megatron-core {', '.join(patch.versions)}, not 0.17.1"
+    if patch.fixed_upstream("0.17.1"):  # fixed by then (mla-without-te): skipped, not refused
+        before = snapshot([patch])
+        assert apply([patch], version="0.17.1") == []
+        assert all(a is b for a, b in zip(before, snapshot([patch])))
+        return
     if patch.missing_requirement() or not patch.needed():  # the version gate comes first
         with pytest.raises(PatchError, match=written):
             apply([patch], version="0.17.1")
