@@ -23,6 +23,10 @@ Algorithm (deterministic; no hashing, no randomness):
    d. ranks left without a sequence (only when the batch runs out) get work: the groups of the
       smallest aligned block around an idle rank merge into one group over the block (cap
       permitting); ranks stay idle, and are reported, only when no such merge exists;
+   e. FLOPs mode: while the micro-batch's slowest rank exceeds its mean by more than 2 %, its
+      slowest groups merge with the rest of an aligned block around them (the smallest block
+      that lowers their per-rank cost within the cap): the leftovers of a batch rarely balance
+      at their smallest groups (robustness over caps and model sizes; ``dynamic_cp.bounds``);
 
 3. of the candidates (counts ``M``, three spread rules) the plan with the smallest makespan
    wins. The FLOPs model treats splitting a sequence over more ranks as free (whole-world groups
@@ -243,9 +247,10 @@ class _Block:
 class _Packer:
     """Builds micro-batches one at a time at a given per-rank cost level."""
 
-    def __init__(self, lengths, n, cap, total, c0, cost1, rule, group_score):
+    def __init__(self, lengths, n, cap, total, c0, cost1, rule, group_score, equalize=True):
         self.lengths, self.n, self.cap, self.rule = lengths, n, cap, rule
         self.group_score = group_score  # (start, size), samples -> per-rank cost or seconds
+        self.equalize = equalize  # spread slow groups further (FLOPs mode, see _equalize)
         self.length_array = np.asarray(lengths, dtype=np.int64)
         self.total, self.c0, self.cost1 = total, c0, cost1
         # covering order: heaviest per rank at the minimum group size first
@@ -354,7 +359,8 @@ class _Packer:
         work = sum(total[s] for b in blocks for s in b.samples)
         groups = {(b.start, b.size): b.samples for b in blocks}
         idle = _absorb_idle(groups, n, self._fits) if free else ()
-        groups = self._equalize(groups, work)
+        if self.equalize:
+            groups = self._equalize(groups, work)
         return groups, idle, self._peak(groups), work
 
     def _peak(self, groups: dict) -> float:
@@ -517,7 +523,10 @@ def schedule(
     tolerance = 1e-9 if hardware else _MAKESPAN_TOLERANCE
     candidates, budget = [], math.inf  # budget: what a plan may score and still be chosen
     for rule in _SPREAD_RULES:
-        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, group_score)
+        # equalizing is FLOPs mode's: given hardware it cost 4x the scheduling time at N=256
+        # (0.25 -> 1.07 s) for projected steps within 1 % (benchmarks/RESULTS.md, Table 3)
+        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, group_score,
+                         equalize=price is None)
         for m in counts:
             result = packer.run(m, mb_score, budget)
             if result is None:
