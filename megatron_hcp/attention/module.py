@@ -125,8 +125,6 @@ class ReferenceCPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by the reference CP attention")
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in _CAUSAL | _FULL:
             raise ValueError(f"attn_mask_type={mask_type}: use causal or no_mask")
@@ -140,7 +138,9 @@ class ReferenceCPAttention(MegatronModule):
         kwargs: dict[str, Any] = dict(causal=causal, softmax_scale=self.softmax_scale,
                                       qkv_format="thd" if thd else "sbhd",
                                       window_size=self.window_size,
-                                      softmax_offset=self.softmax_offset)
+                                      softmax_offset=self.softmax_offset,
+                                      # a post-scale bias over the whole sequence (p2p with CP)
+                                      attention_bias=attention_bias)
         if thd:
             kwargs.update(
                 cu_seqlens_q=packed_seq_params.cu_seqlens_q,

@@ -79,9 +79,11 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
     return [x.to(dtype) for x in (q, k, v, dout)], meta
 
 
-def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, sink=None):
+def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, sink=None,
+             bias=None):
     """``sink``: None, "off-by-one" (zero offsets) or "learnable" (random, with gradient;
-    ``cp`` must then be the world: the offset's gradient is summed over it)."""
+    ``cp`` must then be the world: the offset's gradient is summed over it). ``bias``: a
+    post-scale bias shape ("bhss", "1hss", "11ss", "111s"), with gradient, summed likewise."""
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
@@ -94,10 +96,19 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
                   torch.randn(heads[0], generator=gen, dtype=torch.float64).to(dtype) + 1.0)
         offset.requires_grad_(sink == "learnable")
         ref_offset = offset.detach().clone().requires_grad_(sink == "learnable")
+    attn_bias = ref_bias = None
+    if bias is not None:
+        bsz, seq = (q.shape[0], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[0])
+        dims = [bsz, heads[0], seq, seq]
+        shape = [dims[i] if c != "1" else 1 for i, c in enumerate(bias)]
+        gen = torch.Generator().manual_seed(seed + 7)
+        attn_bias = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        attn_bias.requires_grad_()
+        ref_bias = attn_bias.detach().clone().requires_grad_()
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     ref = full_attention(*ref_in, causal=causal, qkv_format=fmt, window_size=window,
                          cu_seqlens=meta.get("cu_seqlens"), cu_seqlens_padded=pad,
-                         softmax_offset=ref_offset)
+                         softmax_offset=ref_offset, attention_bias=ref_bias)
     ref.backward(dout)
 
     def shard(x):
@@ -108,7 +119,7 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
         *local, cp_comm_type=comm, cp_group=group, causal=causal, qkv_format=fmt,
         cu_seqlens_q=meta.get("cu_seqlens"), cu_seqlens_kv=meta.get("cu_seqlens"),
         cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, window_size=window,
-        softmax_offset=offset,
+        softmax_offset=offset, attention_bias=attn_bias,
     )
     out.backward(shard(dout))
     assert out.shape == shard(ref).shape and local[2].grad.shape == local[2].shape
@@ -123,6 +134,11 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
         grad = offset.grad.clone()
         dist.all_reduce(grad)
         errors["dsink"] = (grad - ref_offset.grad).abs().max().item()
+    if bias is not None:  # each rank's part covers its rows: sum over CP
+        assert cp == WORLD
+        grad = attn_bias.grad.clone()
+        dist.all_reduce(grad)
+        errors["dbias"] = (grad - ref_bias.grad).abs().max().item()
     if fmt == "thd":  # padding rows: exactly zero output and no gradient
         valid = shard(meta["valid"])
         errors["pad_out"] = out[~valid].abs().max().item() if (~valid).any() else 0.0
@@ -200,6 +216,57 @@ def test_softmax_offset(world, comm):
             FORMATS, [True, False], [torch.float64, torch.float32]))
     ]
     assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+def test_post_scale_bias_on_the_ring(world):
+    """A post-scale bias over the whole sequence (TE's bhss, 1hss, 11ss, 111s) on the ring:
+    each block takes the bias of its rows and columns; output, dq/dk/dv and the bias gradient
+    summed over CP equal the oracle, causal and full, bshd and sbhd, with and without an
+    offset."""
+    shapes = ["bhss", "1hss", "11ss", "111s"]
+    cases = [
+        ("p2p", fmt, causal, HEADS["gqa"], 4, dtype, seed, None, None,
+         "learnable" if seed % 5 == 0 else None, shapes[seed % 4])
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            ["bshd", "sbhd"], [True, False], [torch.float64, torch.float32]))
+    ]
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+def bias_refusals():
+    group, _ = cp_groups(4, None)
+    hgroup, _ = cp_groups(4, (2, 2))
+    (q, k, v, _), meta = make_inputs("bshd", (4, 2), torch.float64, 4, 3)
+    local = [get_local_chunk(x, 4, dist.get_rank() % 4, "bshd") for x in (q, k, v)]
+    bias = torch.zeros(1, 1, q.shape[1], q.shape[1], dtype=torch.float64)
+    messages = []
+    for comm, g, b in (("a2a", group, bias), ("all_gather", group, bias),
+                       ("a2a+p2p", hgroup, bias), ("p2p", group, bias[..., :-2])):
+        try:
+            context_parallel_attention(*local, cp_comm_type=comm, cp_group=g, attention_bias=b)
+            messages.append(None)
+        except CPAttentionError as err:
+            messages.append(str(err))
+    (tq, tk, tv, _), tmeta = make_inputs("thd", (4, 2), torch.float64, 4, 3)
+    pad = tmeta["cu_seqlens_padded"]
+    tl = [get_local_chunk(x, 4, dist.get_rank() % 4, "thd", pad) for x in (tq, tk, tv)]
+    try:
+        context_parallel_attention(*tl, cp_comm_type="p2p", cp_group=group, qkv_format="thd",
+                                   cu_seqlens_q=tmeta["cu_seqlens"], cu_seqlens_q_padded=pad,
+                                   attention_bias=bias)
+        messages.append(None)
+    except CPAttentionError as err:
+        messages.append(str(err))
+    return messages
+
+
+def test_post_scale_bias_refused_where_te_has_none(world):
+    messages = world.run(bias_refusals)[0]
+    for text, words in zip(messages, [
+            ["cp_comm_type='a2a'", "ring only"], ["cp_comm_type='all_gather'", "ring only"],
+            ["cp_comm_type='a2a+p2p'", "ring only"], ["shape", "whole sequence"],
+            ["qkv_format='thd'", "bshd/sbhd"]]):
+        assert text is not None and all(w in text for w in words), messages
 
 
 def count_blocks(comm, window):

@@ -115,6 +115,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
     softmax_offset: torch.Tensor | None = None,
+    attention_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
 
@@ -133,7 +134,12 @@ def context_parallel_attention(
     row's softmax denominator (a "sink" key with value 0) - zeros for megatron's
     ``softmax_type="off-by-one"``, a parameter for ``"learnable"``. Its gradient on each rank
     covers that rank's rows (and, after a2a, its heads); summed over the CP group (as
-    megatron's DDP sums gradients over DPxCP) it is the full gradient.
+    megatron's DDP sums gradients over DPxCP) it is the full gradient. ``attention_bias``: a
+    post-scale bias over the *whole* sequence, ``[b|1, h|1, s|1, s]`` (TE's ``bhss``,
+    ``1hss``, ``11ss``, ``111s``), added to the scaled scores; each block takes its rows and
+    columns (the same load-balanced chunks as the scores). With CP only on the ring (``p2p``)
+    and not with ``thd`` - as Transformer Engine; its gradient, like the offset's, covers this
+    rank's rows and sums over the CP group.
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
@@ -141,7 +147,7 @@ def context_parallel_attention(
     return _attention(
         q, k, v, cp_comm_type, _groups(cp_comm_type, cp_group), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
-        window, softmax_offset,
+        window, softmax_offset, attention_bias,
     )
 
 
@@ -159,13 +165,35 @@ def local_attention(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
     softmax_offset: torch.Tensor | None = None,
+    attention_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same attention without CP (one rank holds whole sequences); no communication."""
     return _attention(
         q, k, v, "p2p", (None, None, 1, 1, 0), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
-        check_window(window_size), softmax_offset,
+        check_window(window_size), softmax_offset, attention_bias,
     )
+
+
+def _check_bias(bias, cp_comm_type: str, qkv_format: str, qh: torch.Tensor, n: int) -> None:
+    """A post-scale bias runs where Transformer Engine runs it with CP: the ring, not thd."""
+    if bias is None:
+        return
+    if qkv_format == "thd":
+        raise CPAttentionError(
+            "attention_bias with qkv_format='thd': a bias over packed sequences has no defined "
+            "layout (Transformer Engine has no bias with THD either); use bshd/sbhd or no bias")
+    if cp_comm_type != "p2p":
+        raise CPAttentionError(
+            f"attention_bias with cp_comm_type={cp_comm_type!r}: the post-scale bias runs with "
+            "CP on the ring only (cp_comm_type='p2p'), as in Transformer Engine")
+    b, h, s = qh.shape[0], qh.shape[1], qh.shape[2] * n
+    ok = (bias.dim() == 4 and bias.shape[0] in (1, b) and bias.shape[1] in (1, h)
+          and bias.shape[2] in (1, s) and bias.shape[3] == s)
+    if not ok:
+        raise CPAttentionError(
+            f"attention_bias has shape {list(bias.shape)}; it covers the whole sequence: "
+            f"[{b} or 1, {h} or 1, {s} or 1, {s}] (bhss, 1hss, 11ss, 111s)")
 
 
 def check_window(window_size) -> tuple[int, int] | None:
@@ -186,7 +214,7 @@ def check_window(window_size) -> tuple[int, int] | None:
 
 def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale, window,
-               softmax_offset=None) -> torch.Tensor:
+               softmax_offset=None, attention_bias=None) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
     expected_dims = 3 if qkv_format == "thd" else 4
@@ -196,6 +224,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
     a2a_group, ring_group, a, p, flat = groups
     n = a * p
     qh, kh, vh = (_to_bhsd(t, qkv_format) for t in (q, k, v))
+    _check_bias(attention_bias, cp_comm_type if n > 1 else "p2p", qkv_format, qh, n)
     if not (qh.shape[2] == kh.shape[2] == vh.shape[2] and kh.shape[:2] == vh.shape[:2]):
         raise CPAttentionError(
             f"q, k, v disagree on sequence length or heads: {list(q.shape)}, {list(k.shape)}, "
@@ -258,7 +287,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
     else:
         ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
         out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale, window,
-                                  sink)
+                                  sink, attention_bias)
     if a > 1:
         out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
     return _from_bhsd(out, qkv_format)

@@ -45,25 +45,56 @@ def _unpack(kv: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Ten
     return kv[:nk].view(k_shape), kv[nk:].view(v_shape)
 
 
-def _forward_block(q, k, v, block, scale, out, lse):
+def _bias_positions(bias, q_layout: SeqLayout, kv_layout: SeqLayout, block):
+    """Global (row, column) positions of ``block`` in a bias over the whole sequence."""
+    if bias is None:
+        return None
+    rows = take(q_layout.pos, block.rows, 0) if bias.shape[2] > 1 else None
+    return rows, take(kv_layout.pos, block.cols, 0)
+
+
+def _bias_block(bias, where):
+    """The part of ``bias`` [B|1, H|1, S|1, S] a block's scores get (None without bias)."""
+    if bias is None:
+        return None
+    rows, cols = where
+    part = bias if rows is None else bias.index_select(2, rows.to(bias.device))
+    return part.index_select(3, cols.to(bias.device))
+
+
+def _add_bias_grad(dbias, grad, where) -> None:
+    """Accumulate a block's score gradient into ``dbias``, reduced to the bias's shape."""
+    rows, cols = where
+    dims = [d for d in range(4) if dbias.shape[d] == 1 and grad.shape[d] > 1]
+    grad = grad.sum(dims, keepdim=True) if dims else grad
+    by_col = torch.zeros((*grad.shape[:3], dbias.shape[3]), dtype=grad.dtype, device=grad.device)
+    by_col.index_add_(3, cols.to(grad.device), grad)
+    if rows is None:
+        dbias += by_col.to(dbias.dtype)
+    else:
+        dbias.index_add_(2, rows.to(grad.device), by_col.to(dbias.dtype))
+
+
+def _forward_block(q, k, v, block, scale, out, lse, bias=None):
     ob, lb = block_forward(
         take(q, block.rows), take(k, block.cols), take(v, block.cols),
-        scale=scale, causal=block.causal, mask=block.mask,
+        scale=scale, causal=block.causal, mask=block.mask, bias=bias,
     )
     merge_into(out, lse, block.rows, ob, lb)
 
 
-def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv):
-    gq, gk, gv = block_backward(
+def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None):
+    gq, gk, gv, *gb = block_backward(
         take(dout, block.rows), take(q, block.rows), take(k, block.cols), take(v, block.cols),
         take(out, block.rows), take(lse, block.rows),
-        scale=scale, causal=block.causal, mask=block.mask,
+        scale=scale, causal=block.causal, mask=block.mask, bias=bias,
     )
     for acc, grad, sel in ((dq, gq, block.rows), (dk, gk, block.cols), (dv, gv, block.cols)):
         if isinstance(sel, slice):
             acc[:, :, sel] += grad
         else:
             acc.index_add_(2, sel, grad)
+    return gb[0] if gb else None
 
 
 def _new_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,35 +149,44 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
-                scale: float, window: Window = None, sink: torch.Tensor | None = None):
+                scale: float, window: Window = None, sink: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
         out, lse = _new_acc(q, v)
         for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
-            block = _on(plan_block(layout, layout.at(layout.cp, src), causal, window), q.device)
+            kv_layout = layout.at(layout.cp, src)
+            block = _on(plan_block(layout, kv_layout, causal, window), q.device)
             record_block(block, layout)
             if block is not None:  # outside the window: pass the K/V on, compute nothing
                 kj, vj = _unpack(kv, k.shape, v.shape)
-                _forward_block(q, kj, vj, block, scale, out, lse)
+                where = _bias_positions(bias, layout, kv_layout, block)
+                _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where))
         lse = _apply_sink(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, bias)
         ctx.meta = (layout, group, ranks, causal, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        q, k, v, out, lse, sink, bias = ctx.saved_tensors
         layout, group, ranks, causal, scale, window = ctx.meta
         dout = dout.contiguous()
         p, pos = len(ranks), layout.position
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
+        dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
         for src, kv in _ring_steps(_pack(k, v), group, ranks, pos):
-            block = _on(plan_block(layout, layout.at(layout.cp, src), causal, window), q.device)
+            kv_layout = layout.at(layout.cp, src)
+            block = _on(plan_block(layout, kv_layout, causal, window), q.device)
             if block is not None:
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 dk, dv = _unpack(dkv, k.shape, v.shape)
-                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+                where = _bias_positions(bias, layout, kv_layout, block)
+                gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+                                     _bias_block(bias, where))
+                if gb is not None:
+                    _add_bias_grad(dbias, gb, where)
             if p > 1:  # dK/dV of `src` travel on; after the last step ours come home
                 arrived = torch.empty_like(dkv)
                 works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + 1) % p],
@@ -156,8 +196,9 @@ class RingAttention(torch.autograd.Function):
                 dkv = arrived
         dk, dv = _unpack(dkv, k.shape, v.shape)
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
+        dbias = dbias.to(bias.dtype) if bias is not None else None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                None, dsink)
+                None, dsink, dbias)
 
 
 def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool

@@ -40,8 +40,10 @@ def _use_flash(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> b
     return mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
-def _math_scores(q, k, scale, causal, mask):
+def _math_scores(q, k, scale, causal, mask, bias=None):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:  # post-scale bias, broadcast over [B, H, Sq, Sk]
+        s = s + bias.to(s.dtype)
     if causal:
         sq, sk = s.shape[-2:]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
@@ -59,21 +61,23 @@ def block_forward(
     scale: float,
     causal: bool = False,
     mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [B,H,Sq,D] on ``k`` [B,Hkv,Sk,D], ``v`` [B,Hkv,Sk,Dv]; (out, lse).
 
     ``causal`` is top-left aligned (query i sees keys <= i); ``mask`` [Sq, Sk] marks visible
-    pairs. ``out`` has q's dtype (flash) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
+    pairs; ``bias`` (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``out`` has q's
+    dtype (flash) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    if _use_flash(q, v, mask):
+    if bias is None and _use_flash(q, v, mask):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
         )
         return out, lse
     acc = acc_dtype(q.dtype)
-    s = _math_scores(q.to(acc), k.to(acc), scale, causal, mask)
+    s = _math_scores(q.to(acc), k.to(acc), scale, causal, mask, bias)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     return torch.matmul(p, v.to(acc)), lse
@@ -90,15 +94,18 @@ def block_backward(
     scale: float,
     causal: bool = False,
     mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Gradients of one block given the final ``out``/``lse`` of its query rows.
 
-    Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype.
+    Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype, and
+    with ``bias`` also d bias [B,H,Sq,Sk] (before reducing to the bias's broadcast shape).
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = acc_dtype(q.dtype)
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
-    if _use_flash(q, v, mask):
+    dbias = None
+    if bias is None and _use_flash(q, v, mask):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(),
             q.contiguous(),
@@ -113,16 +120,20 @@ def block_backward(
         dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
     else:
         qa, ka, va, doa = q.to(acc), ke.to(acc), ve.to(acc), dout.to(acc)
-        s = _math_scores(qa, ka, scale, causal, mask)
+        s = _math_scores(qa, ka, scale, causal, mask, bias)
         # rows that saw no key anywhere (lse = -inf) get p = 0
         p = torch.exp(s - torch.where(torch.isinf(lse), float("inf"), lse).unsqueeze(-1))
         dv = torch.matmul(p.transpose(-1, -2), doa)
         dp = torch.matmul(doa, va.transpose(-1, -2))
         delta = (doa * out.to(acc)).sum(-1, keepdim=True)
-        ds = p * (dp - delta) * scale
+        dscores = p * (dp - delta)
+        if bias is not None:
+            dbias = dscores
+        ds = dscores * scale
         dq = torch.matmul(ds, ka)
         dk = torch.matmul(ds.transpose(-1, -2), qa)
-    return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+    grads = (dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads))
+    return grads if bias is None else (*grads, dbias)
 
 
 def merge_into(
