@@ -437,7 +437,7 @@ def test_rope_follows_the_dynamic_cp_group(world):
 
 
 # ---------------------------------------------------------------- config fields (one process)
-def test_reference_attention_reads_window_size_and_refuses_softmax_offsets():
+def test_reference_attention_reads_window_size_and_softmax_offsets():
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -458,5 +458,11 @@ def test_reference_attention_reads_window_size_and_refuses_softmax_offsets():
     ref = full_attention(q, k, v, qkv_format="sbhd", window_size=(3, 0))
     assert (out - ref.reshape(16, 2, 32)).abs().max() <= 1e-10
     assert (out - full_attention(q, k, v, qkv_format="sbhd").reshape(16, 2, 32)).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="softmax_type='off-by-one'"):
-        build(softmax_type="off-by-one")
+    # off-by-one: a zero logit per head in every softmax, in one process against the oracle
+    sink = build(softmax_type="off-by-one")
+    assert sink.softmax_offset.shape == (4,) and not sink.softmax_offset.any()
+    ref = full_attention(q, k, v, qkv_format="sbhd", softmax_offset=torch.zeros(4))
+    assert (sink(q, k, v, None) - ref.reshape(16, 2, 32)).abs().max() <= 1e-10
+    assert isinstance(build(softmax_type="learnable").softmax_offset, torch.nn.Parameter)
+    with pytest.raises(ValueError, match="softmax_type='sinks'"):
+        build(softmax_type="sinks")
