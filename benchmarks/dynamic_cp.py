@@ -266,9 +266,7 @@ def hierarchical_table(args, rng) -> None:
               f"{r[:, 6].mean():>7.1f} {r[:, 7].max():>7.2f}")
 
 
-HUGE = GPTWorkload(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
-                   num_attention_heads=64, num_query_groups=8, gated_mlp=True)
-SWEEP_MODELS = {"h512": MODEL, "8B-like": LARGE, "70B-like": HUGE}
+SWEEP_MODELS = {"h512": MODEL, "8B-like": LARGE, "70B-like": LLAMA_70B}
 SWEEP_CAPS = (512, 1024, 2048, 4096, 8192, 16384)
 TARGETS = {64: 0.97, 256: 0.96}
 
