@@ -35,8 +35,9 @@ def test_every_recipe_is_tested():
         test_recipes_main_job,
         test_recipes_resume,
         test_recipes_static_cp,
+        test_recipes_tp_pp_cp,
     )
 
     tested = [*RECIPES, *test_recipes_main_job.RECIPES, *test_recipes_resume.RECIPES,
-              *test_recipes_static_cp.RECIPES]
+              *test_recipes_static_cp.RECIPES, *test_recipes_tp_pp_cp.RECIPES]
     assert sorted(tested) == list_recipes()
