@@ -247,9 +247,8 @@ class _Block:
 class _Packer:
     """Builds micro-batches one at a time at a given per-rank cost level."""
 
-    def __init__(self, lengths, n, cap, total, c0, cost1, rule, group_score, equalize=True):
+    def __init__(self, lengths, n, cap, total, c0, cost1, rule, equalize=True):
         self.lengths, self.n, self.cap, self.rule = lengths, n, cap, rule
-        self.group_score = group_score  # (start, size), samples -> per-rank cost or seconds
         self.equalize = equalize  # spread slow groups further (FLOPs mode, see _equalize)
         self.length_array = np.asarray(lengths, dtype=np.int64)
         self.total, self.c0, self.cost1 = total, c0, cost1
@@ -368,46 +367,38 @@ class _Packer:
                    for (_, size), samples in groups.items())
 
     def _equalize(self, groups: dict, work: float) -> dict:
-        """Spread the slowest groups over larger aligned blocks while that helps.
+        """Spread the slowest groups over larger aligned blocks while that helps (FLOPs mode).
 
         The leftovers of a batch rarely balance at their smallest groups; a group merged with
         the rest of an aligned block around it carries the same work over more ranks, at the
         block's average per-rank cost (never above its slowest member). Heaviest group first,
-        the smallest block that lowers its per-rank cost, fits the cap, and whose merged group
-        scores (per-rank cost; given hardware, projected time with its communication) below
-        the group alone and not above the micro-batch is taken; until the slowest rank is
-        within :data:`_EQUALIZE_SLACK` of the mean or no group can be helped.
+        the smallest block that lowers its per-rank cost and fits the cap is taken; until the
+        slowest rank is within :data:`_EQUALIZE_SLACK` of the mean or no group can be helped.
         """
         n, total, lengths = self.n, self.total, self.lengths
         target = work / n * (1 + _EQUALIZE_SLACK)
         # per group: work, summed length, sequence count
         stats = {k: (sum(total[s] for s in v), sum(lengths[s] for s in v), len(v))
                  for k, v in groups.items()}
-        if max(w / k[1] for k, (w, _, _) in stats.items()) <= target:
+        heap = [(-w / k[1], k) for k, (w, _, _) in stats.items() if w / k[1] > target]
+        if not heap:
             return groups
-        scores = {k: self.group_score(k, v) for k, v in groups.items()}
-        limit = max(scores.values())
         owner: list = [None] * n
         for k in groups:
             owner[k[0]:k[0] + k[1]] = [k] * k[1]
-        heap = [(-w / k[1], k) for k, (w, _, _) in stats.items() if w / k[1] > target]
         heapq.heapify(heap)
         while heap:
             _, key = heapq.heappop(heap)
             if key not in groups:
                 continue  # merged into a block already
-            merged = self._merge_up(groups, stats, scores, owner, key, limit)
-            if merged is not None:
-                limit = max(scores.values())
-                if stats[merged][0] / merged[1] > target:
-                    heapq.heappush(heap, (-stats[merged][0] / merged[1], merged))
+            merged = self._merge_up(groups, stats, owner, key)
+            if merged is not None and stats[merged][0] / merged[1] > target:
+                heapq.heappush(heap, (-stats[merged][0] / merged[1], merged))
         return groups
 
-    def _merge_up(self, groups: dict, stats: dict, scores: dict, owner: list,
-                  key: tuple, limit: float) -> tuple | None:
-        """Merge group ``key`` into the smallest aligned block around it that helps
-        (``_equalize``; ``limit``: the micro-batch's score), in place; the merged group's key,
-        or None when no block helps."""
+    def _merge_up(self, groups: dict, stats: dict, owner: list, key: tuple) -> tuple | None:
+        """Merge group ``key`` into the smallest aligned block around it that lowers its
+        per-rank cost within the cap (``_equalize``), in place; the merged key, or None."""
         start, size = key
         own = stats[key][0] / size
         block = 2 * size
@@ -422,15 +413,11 @@ class _Packer:
                 # tokens_per_rank(L, b) <= L / b + 2: the exact sum only when that bound fails
                 if raw / block + 2 * count <= self.cap or self._fits(samples, block):
                     merged = (first, block)
-                    score = self.group_score(merged, samples)
-                    # faster than the group alone was, and not slower than the micro-batch
-                    if score < scores[key] * (1 - 1e-12) and score <= limit * (1 + 1e-12):
-                        for k in members:
-                            del groups[k], stats[k], scores[k]
-                        groups[merged], scores[merged] = samples, score
-                        stats[merged] = (work, raw, count)
-                        owner[first:first + block] = [merged] * block
-                        return merged
+                    for k in members:
+                        del groups[k], stats[k]
+                    groups[merged], stats[merged] = samples, (work, raw, count)
+                    owner[first:first + block] = [merged] * block
+                    return merged
             block *= 2
         return None
 
@@ -504,16 +491,11 @@ def schedule(
 
     price = group_pricer(model, hardware, hcp_a2a_size) if hardware is not None else None
 
-    def group_score(key: tuple, samples: list) -> float:
-        start, size = key
-        if price is None:
-            return sum(total[s] for s in samples) / size
-        return sum(price(lengths[s], start, size) for s in samples)
-
     def mb_score(groups: dict, peak: float) -> float:
         if price is None:
             return peak
-        return max((group_score(k, v) for k, v in groups.items()), default=0.0)
+        return max((sum(price(lengths[s], start, size) for s in v)
+                    for (start, size), v in groups.items()), default=0.0)
 
     # lower bound on the micro-batch count: token capacity of N ranks
     m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))
@@ -525,8 +507,7 @@ def schedule(
     for rule in _SPREAD_RULES:
         # equalizing is FLOPs mode's: given hardware it cost 4x the scheduling time at N=256
         # (0.25 -> 1.07 s) for projected steps within 1 % (benchmarks/RESULTS.md, Table 3)
-        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, group_score,
-                         equalize=price is None)
+        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, equalize=price is None)
         for m in counts:
             result = packer.run(m, mb_score, budget)
             if result is None:
