@@ -55,12 +55,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if [ "$stack" = py312 ]; then
     # Megatron-Bridge's declared requirements pull CUDA-only packages (flashinfer, nvidia
     # resiliency, ...) that cannot run here: install it without them, plus what its training
-    # modules import. Transformer Engine (imported by Bridge's peft module) cannot be installed
-    # without CUDA; tests put an import-only shim in its place (tests/unit/_te_import_shim.py).
+    # loop imports (pretrain/finetune: modelopt needs scipy; the recipe overrides need
+    # hydra-core; megatron.bridge.recipes imports its Flux recipes, which need diffusers).
+    # Transformer Engine and nvidia-resiliency-ext cannot be used here (no CUDA;
+    # the registry's newest nvrx breaks megatron-core 0.19.2's import): megatron-hcp puts
+    # import-only stand-ins in their place (megatron_hcp/bridge/import_shims.py).
     "${pip[@]}" "megatron-core==0.19.2" >&2
     "${pip[@]}" --no-deps "megatron-bridge==0.6.2" "nvidia-modelopt==0.47.0" >&2
-    "${pip[@]}" "transformers>=5.8,<=5.12.1" omegaconf datasets megatron-energon requests \
-      "pulp<4" tensorboard >&2
+    "${pip[@]}" "transformers>=5.8,<=5.12.1" omegaconf "hydra-core>=1.3,<1.4" datasets \
+      megatron-energon requests "pulp<4" tensorboard scipy diffusers >&2
   fi
   "${pip[@]}" -e ".[test]" >&2
   echo "$want" > "$stamp"

@@ -63,6 +63,8 @@ class ReferenceCPAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = mpu_pg_collection()
         self.pg_collection = pg_collection
+        # megatron's distributed checkpointing reads it (a collection's, never the MPU's)
+        self.tp_group = getattr(pg_collection, "tp", None)
         self.attn_mask_type = attn_mask_type
         self.cp_comm_type = cp_comm_type
         self._init_softmax_offset(config)
@@ -106,6 +108,22 @@ class ReferenceCPAttention(MegatronModule):
         else:
             raise ValueError(f"softmax_type={softmax_type!r}: use vanilla, off-by-one or "
                              "learnable")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """megatron's distributed checkpointing: the learnable softmax offset, sharded over TP
+        along its heads (as megatron's own core attention does); nothing else is stored."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        learnable = isinstance(self.softmax_offset, torch.nn.Parameter)
+        state = self.state_dict(prefix="", keep_vars=True) if learnable else {}
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"])
 
     def cp_groups(self, packed_seq_params: Any = None) -> CPGroups:
         if not uses_dynamic_cp(packed_seq_params):

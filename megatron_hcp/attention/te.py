@@ -48,8 +48,8 @@ def te_unavailable_reason() -> str | None:
         return f"importing megatron's TE extension failed: {type(err).__name__}: {err}"
     if getattr(te_ext, "HAVE_TE", False):
         return None
-    if "transformer_engine" not in sys.modules and (
-            importlib.util.find_spec("transformer_engine") is None):
+    if _te_stand_in() or ("transformer_engine" not in sys.modules and (
+            importlib.util.find_spec("transformer_engine") is None)):
         return "Transformer Engine is not installed"
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -57,6 +57,19 @@ def te_unavailable_reason() -> str | None:
         return (f"transformer_engine is installed but does not import: "
                 f"{type(err).__name__}: {err}")
     return "megatron-core's TE extension reports HAVE_TE=False"
+
+
+# set on the import-only stand-ins megatron-hcp puts in place of packages Megatron-Bridge
+# imports but this machine cannot run (megatron_hcp.bridge.import_shims)
+IMPORT_SHIM_MARK = "__megatron_hcp_import_shim__"
+
+
+def _te_stand_in() -> bool:
+    """True when ``transformer_engine`` is megatron-hcp's import-only stand-in (for Megatron-
+    Bridge's imports), not an installed Transformer Engine."""
+    import sys
+
+    return bool(getattr(sys.modules.get("transformer_engine"), IMPORT_SHIM_MARK, False))
 
 
 def have_te() -> bool:
@@ -76,6 +89,8 @@ def installed_te_version() -> str | None:
     import importlib.metadata
     import sys
 
+    if _te_stand_in():
+        return None
     te = sys.modules.get("transformer_engine")
     version = getattr(te, "__version__", None)
     if isinstance(version, str):

@@ -44,8 +44,10 @@ from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
 from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
+from .dynamic_cp import cp_config_of, dynamic_cp_targets
 
 __all__ = [
+    "BRIDGE_LOOP_PATCHES",
     "BRIDGE_PATCHES",
     "BRIDGE_VERSIONS",
     "BridgeHookError",
@@ -146,7 +148,10 @@ def _make_create_pg_collection(original: Callable) -> Callable:
     def _create_pg_collection(model_config, num_distributed_optimizer_instances,
                               get_embedding_ranks=None, get_position_embedding_ranks=None,
                               world_size=None, rank_offset=None, save_grid=False):
-        if getattr(model_config, "hierarchical_context_parallel_sizes", None) is None:
+        prepared = cp_config_of(model_config)  # set by bridge-cp-setup in Bridge's loop
+        dynamic = prepared is not None and prepared.dynamic
+        if getattr(model_config, "hierarchical_context_parallel_sizes", None) is None and (
+                not dynamic):
             extra = {k: v for k, v in (("world_size", world_size), ("rank_offset", rank_offset),
                                        ("save_grid", save_grid)) if k in accepted}
             return original(model_config, num_distributed_optimizer_instances,
@@ -156,7 +161,8 @@ def _make_create_pg_collection(original: Callable) -> Callable:
         if set_default is not None:
             set_default(model_config)
         world = world_size if world_size is not None else dist.get_world_size()
-        config = cp_config_from_model_config(model_config, world)
+        config = (prepared if prepared is not None and prepared.world_size == world
+                  else cp_config_from_model_config(model_config, world))
         problems = []
         if num_distributed_optimizer_instances > 1:
             problems.append(Violation(
@@ -332,12 +338,76 @@ BRIDGE_PATCHES: tuple[Patch, ...] = (
                    versions=_WITH_EVAL_REBINDING)),
 )
 
+_LOOP_VERSIONS = ("0.6.2",)  # Bridge releases whose training loop these were run against
+_LOOP = dynamic_cp_targets()
+
+
+def _loop_patch(name: str, summary: str, upstream: str) -> Patch:
+    return Patch(name=name, summary=summary, upstream=upstream, versions=_LOOP_VERSIONS,
+                 targets=_LOOP[name], category="bridge", package="megatron-bridge")
+
+
+# Bridge's training loop (pretrain / finetune) with megatron-hcp's CP: validation before any
+# process group, the MPU path's groups checked and logged, dynamic CP (megatron_hcp.bridge.
+# dynamic_cp)
+BRIDGE_LOOP_PATCHES: tuple[Patch, ...] = (
+    _loop_patch("bridge-cp-setup",
+                "setup validates the config as a CP setup (CPConfig, every rank, before any "
+                "process group) and takes dynamic CP over from megatron-core's own",
+                "megatron/bridge/training/setup.py setup (initialize_megatron with the config "
+                "as given)"),
+    _loop_patch("bridge-mpu-cp-groups",
+                "on the MPU path megatron's groups are checked against the CP layout and "
+                "logged (HIERARCHICAL_CONTEXT_PARALLEL_GROUPS), dynamic CP groups created",
+                "megatron/bridge/training/initialize.py:786-835 _initialize_distributed "
+                "(megatron's initialize_model_parallel, nothing logged or checked)"),
+    _loop_patch("bridge-dynamic-cp-schedule",
+                "each step schedules its global batch over dynamic CP groups and runs the "
+                "plan's micro-batches through megatron's schedule",
+                "megatron/bridge/training/train.py:311 and eval.py:184 "
+                "get_forward_backward_func (num_microbatches fixed, data as loaded)"),
+    _loop_patch("bridge-dynamic-cp-batch",
+                "the forward step takes a dynamic-CP micro-batch as it is (this rank's tokens, "
+                "its CP group in PackedSeqParams)",
+                "megatron/bridge/training/gpt_step.py:305-336 get_batch (cuts packed batches "
+                "for the static CP group), packed_seq_utils.get_packed_seq_params"),
+)
+
 
 # ---------------------------------------------------------------------------- install
+def _has_training_loop() -> bool:
+    """Bridge ships its training loop (``training.train``); a Bridge without one has no
+    ``pretrain`` to patch (e.g. the tests' stand-in of the four hooked functions)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(f"{_PKG}.training.train") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _hook_patches() -> tuple[Patch, ...]:
+    """Everything :func:`install` applies to Bridge: the group hooks, and the training-loop
+    patches on the Bridge releases they were written for (refused, like the hooks, on another
+    release with a training loop)."""
+    return BRIDGE_PATCHES + (BRIDGE_LOOP_PATCHES if _has_training_loop() else ())
+
+
+def _core_patches() -> list[Patch]:
+    """megatron-core patches Bridge's loop needs for megatron-hcp's CP: dynamic CP (RoPE, MTP
+    and pipeline shapes per micro-batch), the decentralized path's TP-group fixes, and
+    Transformer Engine's attention honouring hcp and dynamic groups where TE imports."""
+    from ..patching import DECENTRALIZED_PATCHES, DYNAMIC_CP_PATCHES, by_name
+
+    patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, "destroy-forgets-stale-groups"])
+    return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"])
+            if not p.missing_requirement()]
+
+
 def installed() -> bool:
     """True when :func:`install` is in effect."""
     try:
-        return all(is_applied(p) for p in BRIDGE_PATCHES)
+        return all(is_applied(p) for p in _hook_patches())
     except Exception:  # noqa: BLE001 - Bridge missing or not importable: not installed
         return False
 
@@ -352,12 +422,13 @@ def install() -> None:
             "into it. Install megatron-bridge, or call megatron_hcp.bridge.create_pg_collection "
             "directly (it needs no Bridge)") from err
     try:
-        done = apply(BRIDGE_PATCHES)
+        done = apply(_hook_patches())
     except PatchError as err:
         raise BridgeHookError(
             "the installed Megatron-Bridge differs from the code megatron_hcp's hook was "
             f"written for (releases {', '.join(BRIDGE_VERSIONS)}); nothing was changed:\n  "
             f"{err}") from err
+    done += apply(_core_patches())
     if done:
         logger.info("megatron_hcp: Megatron-Bridge hook installed (%s)", ", ".join(done))
 
@@ -366,4 +437,4 @@ def uninstall() -> None:
     """Undo :func:`install` (no-op when not installed)."""
     if sys.modules.get(_PKG) is None:  # never imported (or made unimportable): nothing hooked
         return
-    revert(BRIDGE_PATCHES)
+    revert(_hook_patches())

@@ -2,8 +2,9 @@
 
 Per training step, on every rank of a DPxCP group (and its TP peers):
 
-1. each DP replica reports the lengths of the samples it loaded; an all-gather over the DP group
-   gives every rank the global batch's lengths (TP rank 0 gathers, then broadcasts over TP);
+1. each DP replica reports the lengths of the samples it loaded (replicas may load different
+   numbers); all-gathers over the DP group give every rank the global batch's lengths and the
+   replica that loaded each sample (TP rank 0 gathers, then broadcasts over TP);
 2. every rank runs the scheduler on them, and the plan's digest is checked to be identical on
    all DPxCP ranks (one all-reduce) before any data moves;
 3. samples travel point-to-point to the ranks of the group that runs them: the sender of sample
@@ -113,20 +114,34 @@ class DynamicCPDataPath:
 
     # ------------------------------------------------------------------ steps 1-2
     def _global_lengths(self, ids: Sequence[int], lengths: Sequence[int]
-                        ) -> tuple[list[int], list[int]]:
-        n_local = len(ids)
+                        ) -> tuple[list[int], list[int], list[int]]:
+        """Every DP replica's sample ids and lengths, replica by replica, and the replica that
+        loaded each (replicas may load different numbers of samples, e.g. packed rows)."""
+        dp = dist.get_world_size(self.dp_group)
+        payload = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_tp_src:
-            mine = torch.tensor([list(ids), list(lengths)], dtype=torch.int64, device=self.device)
-            parts = [torch.zeros(2, n_local, dtype=torch.int64, device=self.device)
-                     for _ in range(dist.get_world_size(self.dp_group))]
+            counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(dp)]
+            dist.all_gather(counts, torch.tensor([len(ids)], device=self.device),
+                            group=self.dp_group)
+            counts = [int(c) for c in counts]
+            width = max(counts)
+            mine = torch.zeros(2, width, dtype=torch.int64, device=self.device)
+            mine[0, :len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+            mine[1, :len(ids)] = torch.tensor(list(lengths), dtype=torch.int64)
+            parts = [torch.zeros_like(mine) for _ in range(dp)]
             dist.all_gather(parts, mine, group=self.dp_group)
-            both = torch.cat(parts, dim=1)
-        else:
-            both = torch.zeros(2, n_local * dist.get_world_size(self.dp_group), dtype=torch.int64,
-                               device=self.device)
+            owners = torch.cat([torch.full((1, c), r, dtype=torch.int64, device=self.device)
+                                for r, c in enumerate(counts)], dim=1)
+            payload = torch.cat([torch.cat([p[:, :c] for p, c in zip(parts, counts)], dim=1),
+                                 owners])
         if dist.get_world_size(self.tp_group) > 1:
-            dist.broadcast(both, src=self.tp_src, group=self.tp_group)
-        return [int(x) for x in both[0]], [int(x) for x in both[1]]
+            size = torch.tensor([payload.shape[-1] if self.is_tp_src else 0], device=self.device)
+            dist.broadcast(size, src=self.tp_src, group=self.tp_group)
+            if not self.is_tp_src:
+                payload = torch.zeros(3, int(size), dtype=torch.int64, device=self.device)
+            dist.broadcast(payload, src=self.tp_src, group=self.tp_group)
+        return ([int(x) for x in payload[0]], [int(x) for x in payload[1]],
+                [int(x) for x in payload[2]])
 
     def _check_same_plan(self, plan: Plan, ids: Sequence[int]) -> None:
         digest = _plan_digest(plan, ids)
@@ -141,7 +156,7 @@ class DynamicCPDataPath:
 
     # ------------------------------------------------------------------ step 3
     def _route(self, plan: Plan, local: dict[int, torch.Tensor], lengths: list[int],
-               n_local: int) -> dict[int, torch.Tensor]:
+               owners: list[int]) -> dict[int, torch.Tensor]:
         me = self.position
         ranks = self.groups.dp_cp_ranks
         have = dict(local)
@@ -149,7 +164,7 @@ class DynamicCPDataPath:
         for mb in plan.micro_batches:
             for g in mb.groups:
                 for s in g.samples:
-                    owner = s // n_local  # gathered order: replica by replica
+                    owner = owners[s]  # the DP replica that loaded it
                     for q in g.ranks:
                         if self.dp_of[q] == owner:
                             continue  # q's replica loaded it
@@ -171,26 +186,25 @@ class DynamicCPDataPath:
              ) -> tuple[Plan, list[MicroBatch]]:
         """This rank's micro-batches for a global batch.
 
-        ``ids`` are the sample ids this rank's DP replica loaded (the same count on every
-        replica); ``load(i)`` returns sample ``i`` as an int64 ``[3, L]`` tensor (called on TP
-        rank 0 only, for ``ids`` only).
+        ``ids`` are the ids of the samples this rank's DP replica loaded, unique over the DP
+        group (replicas may load different numbers of samples); ``load(i)`` returns sample
+        ``i`` as an int64 ``[3, L]`` tensor (called on TP rank 0 only, for ``ids`` only).
         """
         ids = [int(i) for i in ids]
         local = {}
         if self.is_tp_src:
             local = {i: load(i) for i in ids}
-        all_ids, lengths = self._global_lengths(
+        all_ids, lengths, owners = self._global_lengths(
             ids, [int(local[i].shape[1]) if local else 0 for i in ids])
         plan = schedule(lengths, self.groups.size, self.cap, workload=self.workload,
                         hardware=self.hardware, hcp_a2a_size=self.hcp_a2a_size,
                         min_cp_size=self.min_cp_size, vpp=self.multiple)
         self._check_same_plan(plan, all_ids)
-        n_local = len(ids)
         index_of = {sid: k for k, sid in enumerate(all_ids)}
         have: dict[int, torch.Tensor] = {}
         if self.is_tp_src:
             mine = {index_of[i]: local[i] for i in ids}
-            have = self._route(plan, mine, lengths, n_local)
+            have = self._route(plan, mine, lengths, owners)
         out = []
         for mb in plan.micro_batches:
             group = next((g for g in mb.groups if self.position in g.ranks), None)

@@ -8,7 +8,6 @@ metrics rank 0 wrote. ``check_recipe`` runs everything a recipe's CI job checks.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bridge_recipe import BridgeRecipe
 from .golden import Comparison, compare, load_golden, replace_golden
 from .launch import Launch
 from .recipe import RECIPES_DIR, Recipe, load_recipe
@@ -55,8 +55,9 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
     with tempfile.TemporaryDirectory(prefix="megatron-hcp-") as tmp:
         out = Path(tmp) / "metrics.json"
         cmd = [sys.executable, "-m", "torch.distributed.run",
-               *launch.torchrun_args(recipe.nproc), "-m", "megatron_hcp.functional.worker",
-               str(recipe.path), "--out", str(out), "--platform", launch.platform]
+               *launch.torchrun_args(recipe.nproc), "-m", recipe.worker,
+               str(recipe.path), "--out", str(out), "--platform", launch.platform,
+               *recipe.worker_args(tmp)]
         if steps:
             cmd += ["--steps", str(steps)]
         if cp1:
@@ -135,8 +136,10 @@ def _run_with_resume(recipe: Recipe, steps: int, echo, launch: Launch | None = N
     return full, resumed, half
 
 
-def _recipe(recipe: Recipe | str | os.PathLike) -> Recipe:
-    return recipe if isinstance(recipe, Recipe) else load_recipe(recipe_dir(recipe))
+def _recipe(recipe: Recipe | BridgeRecipe | str | os.PathLike) -> Recipe | BridgeRecipe:
+    if isinstance(recipe, (Recipe, BridgeRecipe)):
+        return recipe
+    return load_recipe(recipe_dir(recipe))
 
 
 def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invariance: bool = True,
@@ -150,7 +153,7 @@ def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invarianc
     the runs take part and node 0 checks."""
     recipe = _recipe(recipe)
     launch = launch or Launch()
-    n = steps or recipe.spec.steps
+    n = steps or recipe.steps
     golden_file = recipe.golden_path(platform=launch.platform)
     golden = load_golden(golden_file) if golden_file.is_file() else None  # before training
     result = RecipeResult(recipe.name, n, True)
@@ -182,8 +185,7 @@ def check_recipe(recipe: Recipe | str, *, steps: int | None = None, cp_invarianc
     cp = recipe.config.context_parallel_size
     if cp_invariance and cp > 1:
         flat = recipe.with_cp1()
-        key = repr((flat.config, dataclasses.replace(flat.spec, steps=n), flat.decentralized,
-                    flat.nproc))
+        key = flat.cache_key(n)
         if cp1_cache is not None and key in cp1_cache:
             base = cp1_cache[key]
         else:
@@ -227,7 +229,7 @@ def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = 
     if not launch.checks_results:
         return [f"{recipe.name}: node {launch.node_rank} ran; node 0 writes the golden values"]
     return replace_golden(recipe.golden_path(platform=launch.platform), metrics,
-                          recipe.spec.steps, recipe.name)
+                          recipe.steps, recipe.name)
 
 
 def summary_table(results: list[RecipeResult]) -> str:

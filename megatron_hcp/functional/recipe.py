@@ -29,6 +29,7 @@ from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_valu
 from ..data import data_dir
 from ..training.data import CORPORA
 from ..training.trainer import TinyGPTSpec, VarLen
+from .bridge_recipe import BridgeRecipe, load_bridge_recipe
 
 __all__ = ["LOADER_ENV_VARS", "Recipe", "RECIPES_DIR", "TEST_TYPES", "list_recipes",
            "load_recipe"]
@@ -98,11 +99,24 @@ class Recipe:
     test_type: str
     spec: TinyGPTSpec
     decentralized: bool = False
+    worker: str = "megatron_hcp.functional.worker"  # the module torchrun starts per rank
 
     @property
     def config(self) -> CPConfig:
         """The recipe's CP setup (held by its spec)."""
         return self.spec.config
+
+    @property
+    def steps(self) -> int:
+        return self.spec.steps
+
+    def cache_key(self, steps: int) -> str:
+        """Equal for recipes whose runs of ``steps`` steps are the same run."""
+        return repr((self.config, dataclasses.replace(self.spec, steps=steps),
+                     self.decentralized, self.nproc))
+
+    def worker_args(self, work_dir: str) -> list[str]:
+        return []
 
     @property
     def nproc(self) -> int:
@@ -173,14 +187,32 @@ def _read_yaml(path: Path) -> dict:
     return doc
 
 
-def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Recipe:
-    """Parse ``<path>/model_config.yaml`` (``yaml.safe_load``) into a validated recipe.
+def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
+                ) -> Recipe | BridgeRecipe:
+    """Parse ``<path>/model_config.yaml`` (``yaml.safe_load``) into a validated recipe: a
+    ``MODEL_ARGS`` recipe (the project's trainer) or a ``BRIDGE`` recipe (Megatron-Bridge's own
+    loop, :mod:`.bridge_recipe`).
 
     ``allow_env`` names loader variables (:data:`LOADER_ENV_VARS`, ``LD_*``, ``DYLD_*``) the
     recipe's ``ENV_VARS`` may set.
     """
     root = Path(path)
     doc = _read_yaml(root / "model_config.yaml")
+    env = _check_env(doc.get("ENV_VARS") or {}, allow_env)
+    if "NPROC" not in doc:
+        raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
+                                       "add NPROC: <ranks> to model_config.yaml")])
+    world = parse_value(doc["NPROC"], "size", "NPROC")
+    test_type = parse_value(doc.get("TEST_TYPE", "regular"), "str", "TEST_TYPE")
+    if test_type not in TEST_TYPES:
+        raise CPConfigError([Violation("TEST_TYPE", test_type, "unknown test type",
+                                       f"use one of {', '.join(TEST_TYPES)}")])
+    if "BRIDGE" in doc:
+        if "MODEL_ARGS" in doc:
+            raise CPConfigError([Violation("MODEL_ARGS", "...", "a recipe is either MODEL_ARGS "
+                                           "(the project's trainer) or BRIDGE (Bridge's loop)",
+                                           "keep one of the two sections")])
+        return load_bridge_recipe(root, doc, env, test_type, world)
     model_args = doc.get("MODEL_ARGS") or {}
     if not isinstance(model_args, dict):
         raise CPConfigError([Violation("MODEL_ARGS", model_args, "must be a mapping of flags",
@@ -201,15 +233,6 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()) -> Re
                  for f, want in _FIXED.items() if f in values and values[f] != want]
     if problems:
         raise CPConfigError(problems)
-    env = _check_env(doc.get("ENV_VARS") or {}, allow_env)
-    if "NPROC" not in doc:
-        raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
-                                       "add NPROC: <ranks> to model_config.yaml")])
-    world = parse_value(doc["NPROC"], "size", "NPROC")
-    test_type = parse_value(doc.get("TEST_TYPE", "regular"), "str", "TEST_TYPE")
-    if test_type not in TEST_TYPES:
-        raise CPConfigError([Violation("TEST_TYPE", test_type, "unknown test type",
-                                       f"use one of {', '.join(TEST_TYPES)}")])
     spec_kwargs: dict[str, Any] = {}
     cfg_kwargs: dict[str, Any] = {}
     for flag, value in values.items():

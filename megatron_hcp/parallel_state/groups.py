@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .layout import Groups, hierarchical_level_groups
 
-__all__ = ["collective_device", "create_hierarchical_groups", "destroy_groups", "group_kwargs",
+__all__ = ["DefaultBackendDistributed", "collective_device", "create_hierarchical_groups",
+           "destroy_groups", "group_kwargs",
            "new_groups"]
 
 
@@ -107,3 +108,19 @@ def create_hierarchical_groups(
         if group is not None:
             mine.append(group)
     return mine
+
+
+class DefaultBackendDistributed:
+    """``torch.distributed`` as seen by a foreign group builder (e.g. Megatron-Bridge's
+    decentralized path under the CPU runtime): subgroups it asks of a named backend (NCCL)
+    are created on the default backend (gloo on the CPU) instead; everything else is
+    ``torch.distributed`` itself."""
+
+    def __init__(self, real: Any):
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def new_subgroups_by_enumeration(self, *args: Any, backend: Any = None, **kwargs: Any):
+        return self._real.new_subgroups_by_enumeration(*args, **kwargs)

@@ -29,6 +29,7 @@ from .report import describe_cp_groups
 
 __all__ = [
     "LayoutMismatchError",
+    "adopt_initialized_mpu",
     "destroy_model_parallel",
     "dynamic_cp_groups",
     "forget_stale_groups",
@@ -143,8 +144,28 @@ def initialize_model_parallel(
         order=order,
         **megatron_kwargs,
     )
+    return _adopt(ps, config, order, megatron_kwargs.get("distributed_timeout_minutes"),
+                  agreement_timeout)
+
+
+def adopt_initialized_mpu(config: CPConfig, *, order: str = "tp-cp-ep-dp-pp",
+                          distributed_timeout_minutes: int | None = None,
+                          agreement_timeout: timedelta | None = None) -> ParallelLayout:
+    """megatron's groups, initialized by another caller of megatron's
+    ``initialize_model_parallel`` (e.g. Megatron-Bridge's own MPU path) for ``config``: checked
+    against the layout on every rank, logged on rank 0 and, for dynamic CP, completed with its
+    groups - as :func:`initialize_model_parallel` does after its own call. Collective."""
+    from megatron.core import parallel_state as ps
+
+    config.validate()
+    return _adopt(ps, config, order, distributed_timeout_minutes, agreement_timeout)
+
+
+def _adopt(ps: Any, config: CPConfig, order: str, timeout_minutes: int | None,
+           agreement_timeout: timedelta | None) -> ParallelLayout:
+    hcp = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
     layout = ParallelLayout(
-        world_size=world,
+        world_size=dist.get_world_size(),
         tp=config.tensor_model_parallel_size,
         cp=config.context_parallel_size,
         pp=config.pipeline_model_parallel_size,
@@ -154,7 +175,8 @@ def initialize_model_parallel(
     verify_against_layout(ps, layout)
     if config.dynamic_context_parallel:
         _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
-                               megatron_kwargs, agreement_timeout,
+                               {"distributed_timeout_minutes": timeout_minutes},
+                               agreement_timeout,
                                config.a2a_size if config.uses_hierarchical else None)
     if dist.get_rank() == 0:
         for line in describe_cp_groups(layout):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_hcp.config import CPConfigError
 from megatron_hcp.functional.golden import compare, to_golden
-from megatron_hcp.functional.recipe import list_recipes, load_recipe
+from megatron_hcp.functional.recipe import Recipe, list_recipes, load_recipe
 
 
 def write_recipe(tmp_path, args, nproc=4, test_type="regular"):
@@ -38,7 +38,9 @@ def test_every_shipped_recipe_parses_to_a_valid_config():
     assert dcp.test_type == "ckpt-resume" and dcp.spec.varlen.corpus == "markov"
     for name in names:  # every TP recipe runs with sequence parallelism, like upstream's
         recipe = load_recipe(RECIPES_DIR / name)
-        assert recipe.spec.sequence_parallel == (recipe.config.tensor_model_parallel_size > 1)
+        sp = (recipe.spec.sequence_parallel if isinstance(recipe, Recipe)
+              else "model.sequence_parallel=true" in recipe.overrides)  # a Bridge recipe
+        assert sp == (recipe.config.tensor_model_parallel_size > 1), name
 
 
 @pytest.mark.parametrize("args, parameter", [

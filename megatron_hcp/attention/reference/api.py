@@ -22,6 +22,7 @@ that factor, i.e. ``a/Hkv`` times the K/V memory of pure GQA; dK/dV of the repli
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -167,12 +168,49 @@ def local_attention(
     softmax_offset: torch.Tensor | None = None,
     attention_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention without CP (one rank holds whole sequences); no communication."""
+    """The same attention without CP (one rank holds whole sequences); no communication.
+
+    Packed (``thd``) sequences need no CP padding here: a sequence of odd padded length gets
+    one masked token appended internally (the kernels split every sequence in two halves), and
+    the output keeps the input's tokens only.
+    """
+    if qkv_format == "thd" and cu_seqlens_q is not None:
+        padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+        padded_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+        if padded_kv is None or torch.equal(padded.cpu(), padded_kv.cpu()):
+            index, even = _even_thd_layout(padded)
+            if index is not None:
+                grow = functools.partial(_scatter_rows, index=index, rows=int(even[-1]))
+                out = _attention(
+                    grow(q), grow(k), grow(v), "p2p", (None, None, 1, 1, 0), causal, "thd",
+                    cu_seqlens_q, cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,
+                    even, even, softmax_scale, check_window(window_size), softmax_offset,
+                    attention_bias)
+                return out.index_select(0, index.to(out.device))
     return _attention(
         q, k, v, "p2p", (None, None, 1, 1, 0), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
         check_window(window_size), softmax_offset, attention_bias,
     )
+
+
+def _even_thd_layout(cu_padded: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Rows of the tokens in a layout whose sequences have even lengths (None: already even)
+    and that layout's cumulative lengths."""
+    lengths = seq_lengths(cu_padded)
+    if not any(n % 2 for n in lengths):
+        return None, cu_padded
+    even = [n + n % 2 for n in lengths]
+    starts = [0]
+    for n in even:
+        starts.append(starts[-1] + n)
+    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    return index, torch.tensor(starts, dtype=cu_padded.dtype, device=cu_padded.device)
+
+
+def _scatter_rows(t: torch.Tensor, *, index: torch.Tensor, rows: int) -> torch.Tensor:
+    out = t.new_zeros(rows, *t.shape[1:])
+    return out.index_copy(0, index.to(t.device), t)
 
 
 def _check_bias(bias, cp_comm_type: str, qkv_format: str, qh: torch.Tensor, n: int) -> None:

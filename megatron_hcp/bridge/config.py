@@ -1,0 +1,93 @@
+"""A Megatron-Bridge configuration as megatron-hcp's :class:`~megatron_hcp.config.CPConfig`.
+
+:func:`cp_config_from_bridge` reads the CP-relevant fields of Bridge's model config (a
+``GPTModelProvider`` or any megatron ``TransformerConfig``) with the strict parser: a field that
+is not what megatron means by it (``context_parallel_size=0``, ``4.9``, ``"2"``, ``True`` as a
+size) is a :class:`~megatron_hcp.config.CPConfigError` naming ``model.<field>``, never a
+coerced value. Dynamic CP is read under both its names: megatron-core 0.19's
+``hybrid_context_parallel`` and the development branch's ``dynamic_context_parallel`` /
+``min_dynamic_context_parallel_size`` (an attribute set on the provider where megatron-core has
+no such field).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
+
+__all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "world_size_before_init"]
+
+# CPConfig fields a Bridge model config may carry, by the same name
+MODEL_FIELDS = (
+    "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_attention_heads",
+    "num_query_groups", "num_layers", "seq_length", "dynamic_context_parallel",
+    "min_dynamic_context_parallel_size", "max_seqlen_per_dp_cp_rank", "hybrid_context_parallel",
+    "calculate_per_token_loss", "cuda_graph_impl", "enable_cuda_graph", "window_size",
+    "softmax_type",
+)
+_OPTIONAL_DEFAULTS = {"cuda_graph_impl": "none", "softmax_type": "vanilla",
+                      "min_dynamic_context_parallel_size": 1}
+
+
+def world_size_before_init() -> int:
+    """The world size, also before ``torch.distributed`` is initialized (torchrun's
+    ``WORLD_SIZE``), as Bridge reads it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return parse_value(os.environ.get("WORLD_SIZE", "1"), "size", "WORLD_SIZE")
+
+
+def _te_version() -> str | None:
+    from ..attention.te import have_te, installed_te_version
+
+    return installed_te_version() if have_te() else None
+
+
+def cp_config_from_bridge(model_config: Any, world_size: int | None = None, *,
+                          use_megatron_fsdp: bool = False,
+                          te_version: str | None = ...) -> CPConfig:
+    """The :class:`CPConfig` of Bridge's ``model_config`` on ``world_size`` ranks (default: the
+    current world, see :func:`world_size_before_init`), every field read strictly.
+
+    ``te_version`` defaults to the installed Transformer Engine's where it imports (TE is then
+    the attention backend, as megatron's default spec); ``use_megatron_fsdp`` is Bridge's
+    ``dist.use_megatron_fsdp``. Raises :class:`CPConfigError` naming every malformed field.
+    """
+    values: dict[str, Any] = {}
+    problems: list[Violation] = []
+    for name in MODEL_FIELDS:
+        if not hasattr(model_config, name):
+            continue
+        raw = getattr(model_config, name)
+        if raw is None and name in _OPTIONAL_DEFAULTS:
+            continue
+        if name == "window_size" and isinstance(raw, tuple):
+            raw = list(raw)
+        try:
+            values[name] = parse_value(raw, FIELD_KINDS[name], f"model.{name}")
+        except CPConfigError as err:
+            problems.extend(err.violations)
+    try:
+        world = (world_size_before_init() if world_size is None
+                 else parse_value(world_size, "size", "world_size"))
+        use_fsdp = parse_value(use_megatron_fsdp, "bool", "dist.use_megatron_fsdp")
+    except CPConfigError as err:
+        raise CPConfigError([*problems, *err.violations]) from None
+    if problems:
+        raise CPConfigError(problems)
+    tp = values.get("tensor_model_parallel_size", 1)
+    pp = values.get("pipeline_model_parallel_size", 1)
+    cp = values.get("context_parallel_size", 1)
+    if world % (tp * cp * pp):
+        raise CPConfigError([Violation(
+            "model.context_parallel_size", cp,
+            f"tensor*context*pipeline_model_parallel_size = {tp}*{cp}*{pp} = {tp * cp * pp} "
+            f"must divide the world size {world}",
+            "change the parallel sizes or the number of ranks")])
+    return CPConfig(data_parallel_size=world // (tp * cp * pp), use_megatron_fsdp=use_fsdp,
+                    te_version=_te_version() if te_version is ... else te_version, **values)

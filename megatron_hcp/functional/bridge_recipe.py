@@ -1,0 +1,237 @@
+"""A functional recipe trained by Megatron-Bridge's own loop: ``model_config.yaml`` with ``BRIDGE``.
+
+```yaml
+ENV_VARS: {}
+NPROC: 4
+TEST_TYPE: ckpt-resume            # or regular
+BRIDGE:
+  recipe: tiny_llama_sft_config   # a recipe function: a name in megatron_hcp.bridge.recipes,
+                                  #   or module:function (any Bridge recipe function)
+  recipe_args: {seq_length: 128}  # its keyword arguments (plain values)
+  config: bridge.yaml             # optional: a Bridge ConfigContainer YAML merged on top
+  entry: finetune                 # pretrain | finetune
+  overrides:                      # Bridge's section.key=value (Hydra syntax), applied last
+    - model.context_parallel_size=4
+    - model.hybrid_context_parallel=true
+    - model.max_seqlen_per_dp_cp_rank=32
+    - train.train_iters=6
+```
+
+The overrides go through Bridge's own ``process_config_with_overrides``, except the dynamic-CP
+names of megatron-core's development branch (``model.dynamic_context_parallel``,
+``model.min_dynamic_context_parallel_size``) where the model config has no such field: Bridge
+would drop them with a warning (and train static CP), so they are set on the provider here,
+where megatron-hcp reads them. The CP fields of the overrides make the recipe's
+:class:`~megatron_hcp.config.CPConfig` (checked when the recipe loads, also without Bridge);
+the whole configuration is validated again by ``bridge-cp-setup`` inside Bridge's loop.
+``entry: finetune`` starts from a pretrained checkpoint: unless the recipe names one, the worker
+first pre-trains the same model one step with CP=1 and fine-tunes from that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
+
+__all__ = ["BRIDGE_WORKER", "BridgeRecipe", "bridge_available", "load_bridge_recipe"]
+
+BRIDGE_WORKER = "megatron_hcp.functional.bridge_worker"
+ENTRIES = ("pretrain", "finetune")
+# megatron-core development-branch names of dynamic CP (no fields on 0.19's model config)
+DEV_DYNAMIC_FIELDS = ("dynamic_context_parallel", "min_dynamic_context_parallel_size")
+_CP_FIELDS = frozenset(CPConfig.field_names()) - {"data_parallel_size"}
+
+
+def bridge_available() -> str | None:
+    """Why Bridge recipes cannot run here (None: they can)."""
+    if importlib.util.find_spec("megatron.bridge") is None:
+        return ("needs Megatron-Bridge, which is not installed (Bridge 0.4+ needs Python 3.12: "
+                "MEGATRON_HCP_STACK=py312)")
+    return None
+
+
+@dataclass
+class BridgeRecipe:
+    """One Bridge recipe directory, parsed; the CP fields of its overrides checked."""
+
+    name: str
+    path: Path
+    env: dict[str, str]
+    test_type: str
+    nproc: int
+    entry: str
+    recipe: str
+    recipe_args: dict[str, Any]
+    config_file: Path | None
+    overrides: tuple[str, ...]
+    config: CPConfig
+    steps: int
+    args: dict[str, Any] = field(default_factory=dict)
+    worker: str = BRIDGE_WORKER
+
+    def golden_path(self, environment: str = "dev", platform: str = "cpu_gloo") -> Path:
+        return self.path / f"golden_values_{environment}_{platform}.json"
+
+    def worker_args(self, work_dir: str) -> list[str]:
+        return ["--work-dir", work_dir]
+
+    def cache_key(self, steps: int) -> str:
+        return repr((self.recipe, sorted(self.recipe_args.items()), self.config_file,
+                     self.overrides, self.entry, steps, self.nproc))
+
+    def with_cp1(self) -> BridgeRecipe:
+        """The same model and data without CP (CP ranks become data-parallel ranks)."""
+        off = ["model.context_parallel_size=1", "model.cp_comm_type=null",
+               "model.hierarchical_context_parallel_sizes=null",
+               "model.hybrid_context_parallel=false", "model.max_seqlen_per_dp_cp_rank=null"]
+        off += [f"model.{f}=false" if f == "dynamic_context_parallel" else f"model.{f}=1"
+                for f in DEV_DYNAMIC_FIELDS if any(_key(o) == f"model.{f}"
+                                                   for o in self.overrides)]
+        config = dataclasses.replace(
+            self.config, context_parallel_size=1, cp_comm_type=None,
+            hierarchical_context_parallel_sizes=None, dynamic_context_parallel=False,
+            hybrid_context_parallel=False, max_seqlen_per_dp_cp_rank=None,
+            min_dynamic_context_parallel_size=1,
+            data_parallel_size=self.config.data_parallel_size
+            * self.config.context_parallel_size)
+        return dataclasses.replace(self, name=self.name + "@cp1",
+                                   overrides=(*self.overrides, *off), config=config)
+
+    # ------------------------------------------------------------------ in Bridge's process
+    def build(self, *, steps: int | None = None, work_dir: str | None = None) -> Any:
+        """Bridge's ``ConfigContainer`` of this recipe (imports Bridge): the recipe function,
+        the config file, then the overrides; ``work_dir`` holds generated data."""
+        from megatron.bridge.training.utils.omegaconf_utils import (
+            process_config_with_overrides,
+        )
+
+        function = _recipe_function(self.recipe)
+        kwargs = dict(self.recipe_args)
+        if "data_dir" in _parameters(function) and "data_dir" not in kwargs:
+            kwargs["data_dir"] = os.path.join(work_dir or ".", "data")
+        cfg = function(**kwargs)
+        ours = [o for o in self.overrides if _key(o).removeprefix("model.") in DEV_DYNAMIC_FIELDS
+                and not hasattr(cfg.model, _key(o).removeprefix("model."))]
+        theirs = [o for o in self.overrides if o not in ours]
+        process_config_with_overrides(
+            cfg, config_filepath=str(self.config_file) if self.config_file else None,
+            cli_overrides=theirs or None)
+        for item in ours:  # set where megatron-hcp reads them (Bridge would drop them)
+            name = _key(item).removeprefix("model.")
+            setattr(cfg.model, name, parse_value(item.partition("=")[2], FIELD_KINDS[name],
+                                                 f"model.{name}"))
+        if steps is not None:
+            cfg.train.train_iters = steps
+        return cfg
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].strip().lstrip("+~")
+
+
+def _parameters(function: Any) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(function).parameters)
+
+
+def _recipe_function(spec: str) -> Any:
+    module, _, name = spec.rpartition(":")
+    if not module:
+        module, name = "megatron_hcp.bridge.recipes", spec
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise CPConfigError([Violation("BRIDGE.recipe", spec, f"names no recipe function ({err})",
+                                       "give a name in megatron_hcp.bridge.recipes or "
+                                       "module:function")]) from None
+    return function
+
+
+def _overrides_config(overrides: Iterable[str], nproc: int) -> tuple[CPConfig, int | None]:
+    """The CPConfig the CP fields of ``overrides`` describe on ``nproc`` ranks, and
+    ``train.train_iters`` when given."""
+    values: dict[str, Any] = {}
+    steps = None
+    problems: list[Violation] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("+~")
+        section, _, name = key.partition(".")
+        if not sep or not name:
+            problems.append(Violation("BRIDGE.overrides", item, "overrides are section.key=value",
+                                      "write e.g. model.context_parallel_size=4"))
+            continue
+        try:
+            if section == "model" and name in _CP_FIELDS:
+                values[name] = parse_value(raw, FIELD_KINDS[name], key)
+            elif key == "train.train_iters":
+                steps = parse_value(raw, "posint", key)
+        except CPConfigError as err:
+            problems.extend(err.violations)
+    if problems:
+        raise CPConfigError(problems)
+    model = (values.get("tensor_model_parallel_size", 1)
+             * values.get("pipeline_model_parallel_size", 1)
+             * values.get("context_parallel_size", 1))
+    if nproc % model:
+        raise CPConfigError([Violation(
+            "NPROC", nproc, f"tensor*pipeline*context_parallel_size = {model} must divide it",
+            "change NPROC or the parallel sizes")])
+    config = CPConfig(data_parallel_size=nproc // model, **values)
+    config.validate()
+    return config, steps
+
+
+def load_bridge_recipe(root: Path, doc: dict[str, Any], env: dict[str, str], test_type: str,
+                       nproc: int) -> BridgeRecipe:
+    """A :class:`BridgeRecipe` from a parsed ``model_config.yaml`` (its ``BRIDGE`` section)."""
+    section = doc.get("BRIDGE")
+    if not isinstance(section, dict):
+        raise CPConfigError([Violation("BRIDGE", section, "must be a mapping",
+                                       "write BRIDGE: {recipe: ..., overrides: [...]}")])
+    known = {"recipe", "recipe_args", "config", "entry", "overrides"}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise CPConfigError([Violation(f"BRIDGE.{k}", section[k], "is not a key of BRIDGE",
+                                       f"use {', '.join(sorted(known))}") for k in unknown])
+    recipe = parse_value(section.get("recipe"), "str", "BRIDGE.recipe")
+    entry = parse_value(section.get("entry", "pretrain"), "str", "BRIDGE.entry")
+    if entry not in ENTRIES:
+        raise CPConfigError([Violation("BRIDGE.entry", entry, "is not a Bridge entry point",
+                                       f"use one of {', '.join(ENTRIES)}")])
+    args = section.get("recipe_args") or {}
+    overrides = section.get("overrides") or []
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise CPConfigError([Violation("BRIDGE.recipe_args", args, "must be a mapping",
+                                       "write recipe_args: {name: value}")])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise CPConfigError([Violation("BRIDGE.overrides", overrides,
+                                       "must be a list of section.key=value strings",
+                                       "write overrides: [model.context_parallel_size=4]")])
+    config_file = None
+    if section.get("config") is not None:
+        config_file = (root / parse_value(section["config"], "str", "BRIDGE.config")).resolve()
+        if not config_file.is_relative_to(root.resolve()) or not config_file.is_file():
+            raise CPConfigError([Violation("BRIDGE.config", section["config"],
+                                           "must name a file inside the recipe directory",
+                                           "put the Bridge config YAML next to model_config.yaml")])
+    config, steps = _overrides_config(overrides, nproc)
+    if steps is None:
+        steps = args.get("train_iters")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise CPConfigError([Violation("BRIDGE.overrides", None,
+                                           "the recipe must say how many steps it trains",
+                                           "add train.train_iters=N to the overrides")])
+    return BridgeRecipe(name=root.name, path=root, env=env, test_type=test_type, nproc=nproc,
+                        entry=entry, recipe=recipe, recipe_args=dict(args),
+                        config_file=config_file, overrides=tuple(overrides), config=config,
+                        steps=steps, args={"BRIDGE": section})
