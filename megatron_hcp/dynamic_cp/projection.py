@@ -47,6 +47,7 @@ __all__ = [
     "dp_gradient_seconds",
     "dynamic_group_seconds",
     "dynamic_levels",
+    "fsdp_seconds",
     "group_pricer",
     "group_seconds",
     "overlapped_seconds",
@@ -144,7 +145,13 @@ class Cluster:
     Defaults: an H100 SXM node (NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per
     GPU; 80 GB HBM3), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s per direction, DGX H100
     rail-optimised), latencies 5 us (NVLink) and 10 us (IB) per message, 400 TFLOP/s achieved
-    bf16 (about 40 % of the 989 TFLOP/s dense peak). All are assumptions, not measurements.
+    bf16 (about 40 % of the 989 TFLOP/s dense peak). The layout planner builds its clusters from
+    GPU presets instead (:mod:`megatron_hcp.planner.gpus`, calibrated rates).
+
+    ``flops_per_second`` is the rate of the GEMMs (linear and output layers);
+    ``attention_flops_per_second`` that of the attention kernel (``L^2`` FLOPs), by default the
+    same. The two differ in practice: FP8 recipes run only the GEMMs in FP8, and fused attention
+    reaches a lower share of the peak than large GEMMs.
     """
 
     nodes: int = 1
@@ -156,10 +163,24 @@ class Cluster:
     inter_latency_seconds: float = 10e-6
     memory_bytes: float = 80e9
     bytes_per_element: int = 2
+    attention_flops_per_second: float | None = None
+    memory_bytes_per_second: float | None = None  # HBM; None: no weight-streaming bound
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def attention_rate(self) -> float:
+        """FLOP/s of the attention kernel (``attention_flops_per_second``, else the GEMM rate)."""
+        return self.attention_flops_per_second or self.flops_per_second
+
+    def compute_seconds(self, workload: GPTWorkload, length: int, group_size: int) -> float:
+        """Seconds of one rank's share of ``length`` on ``group_size`` ranks (fwd + bwd): the
+        linear layers at the GEMM rate, the ``L^2`` attention at the attention rate."""
+        linear = length * workload.linear_flops_per_token() / group_size
+        attention = workload.attention_flops(length) / group_size
+        return linear / self.flops_per_second + attention / self.attention_rate
 
     def placement(self, ranks: Sequence[int]) -> tuple[int, int]:
         """(nodes the ranks span, fewest of them on one of those nodes)."""
@@ -263,7 +284,7 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
     d = workload.head_dim
     nq = workload.num_attention_heads / tp
     nkv = (workload.num_query_groups or workload.num_attention_heads) / tp
-    flops = cluster.flops_per_second
+    flops = cluster.attention_rate
     attn_fwd = workload.attention_flops(length) / (3 * workload.num_layers) / c / tp / flops
     kv_chunk = 2 * (length / c) * nkv * d * b
 
@@ -295,17 +316,22 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
 
 
 def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
-                     tp_ranks: Sequence[int], overlap_compute: float | None = None) -> LayerComm:
+                     tp_ranks: Sequence[int], overlap_compute: float | None = None,
+                     gather_bytes_per_element: float | None = None) -> LayerComm:
     """TP traffic of one layer with sequence parallelism (megatron's layout): forward
     all-gathers the ``tokens x hidden`` activation before the QKV and FC1 GEMMs and
     reduce-scatters after the projection and FC2 (2 + 2 collectives); backward the same.
     Not overlapped (megatron's default), or beside ``overlap_compute`` seconds per direction
-    (``--tp-comm-overlap``: Transformer Engine's userbuffers)."""
+    (``--tp-comm-overlap``: Transformer Engine's userbuffers). ``gather_bytes_per_element``
+    (default ``bytes_per_element``) prices the all-gathers: 1 under FP8, where Transformer
+    Engine quantizes the GEMM input before gathering it (``with_quantized_all_gather = fp8`` in
+    its LayerNormLinear / LayerNormMLP); the reduce-scatters of GEMM outputs stay BF16."""
     if len(tp_ranks) <= 1:
         return LayerComm()
     buf = tokens * hidden * cluster.bytes_per_element
-    t = 2 * collective_seconds(cluster, "all_gather", buf, tp_ranks) + 2 * collective_seconds(
-        cluster, "reduce_scatter", buf, tp_ranks)
+    gathered = tokens * hidden * (gather_bytes_per_element or cluster.bytes_per_element)
+    t = 2 * collective_seconds(cluster, "all_gather", gathered, tp_ranks) + 2 * (
+        collective_seconds(cluster, "reduce_scatter", buf, tp_ranks))
     if overlap_compute is not None:
         return LayerComm(overlapped_seconds(t, overlap_compute),
                          overlapped_seconds(t, 2 * overlap_compute))
@@ -329,14 +355,35 @@ def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequenc
     return overlapped_seconds(t, window)
 
 
+def fsdp_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
+                 window: float) -> float:
+    """Exposed FSDP traffic (Megatron-FSDP ``optim_grads_params``, ZeRO-3) over the DPxCP
+    ``ranks`` per step: an all-gather of the bf16 weights for the forward and another for the
+    backward, a reduce-scatter of fp32 gradients, prefetched layer by layer beside ``window``
+    seconds of compute (the step's). Frameworks that keep the gathered weights across the
+    micro-batches of a step (PyTorch FSDP with pipelining, Llama 3's "no reshard after forward")
+    move about this much per step; one that re-gathers per micro-batch moves more."""
+    if len(ranks) <= 1:
+        return 0.0
+    t = (2 * collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks)
+         + collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks))
+    return overlapped_seconds(t, window)
+
+
 def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
-                            transfer_seconds: float) -> float:
-    """1F1B with ``pp`` stages (each micro-batch takes ``t / pp`` per stage): the step is
-    ``sum(t) / pp`` of work plus ``pp - 1`` slots of the longest micro-batch while the pipeline
-    fills and drains, each with an activation transfer forward and a gradient transfer back."""
+                            transfer_seconds: float, vp: int = 1,
+                            stage_share: float | None = None) -> float:
+    """1F1B with ``pp`` stages (each micro-batch takes ``t * stage_share`` on the fullest
+    stage, ``stage_share`` = 1/pp for an even split): the step is ``sum(t) * stage_share`` of
+    work plus ``pp - 1`` slots of the longest micro-batch while the pipeline fills and drains,
+    each with an activation transfer forward and a gradient transfer back. The interleaved
+    schedule with ``vp`` model chunks per stage shrinks each slot to ``1/vp`` of a stage
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", Sec. 2.2.2: bubble ``(p-1)/(v m)``)."""
     if pp <= 1 or not micro_batch_seconds:
         return 0.0
-    return (pp - 1) * (max(micro_batch_seconds) / pp + 2 * transfer_seconds)
+    share = 1.0 / pp if stage_share is None else stage_share
+    return (pp - 1) * (max(micro_batch_seconds) * share / vp + 2 * transfer_seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,7 +416,7 @@ def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[in
     if workload.mode != "flops":
         raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
     c = len(ranks)
-    compute = workload.cost(length, c) / cluster.flops_per_second
+    compute = cluster.compute_seconds(workload, length, c)
     if c <= 1:
         return compute
     a, p = dynamic_levels(c, hcp_a2a_size)
