@@ -339,24 +339,26 @@ def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
 
 
 def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
-                        distributed_optimizer: bool, window: float) -> float:
+                        distributed_optimizer: bool, window: float, grad_bytes: int = 4,
+                        param_bytes: int = 2) -> float:
     """Exposed gradient synchronisation over the DPxCP ``ranks`` (megatron reduces gradients
     over data and context parallel ranks together): with the distributed optimizer a
-    reduce-scatter of fp32 gradients and an all-gather of bf16 parameters, else an all-reduce
-    of fp32 gradients; overlapped with ``window`` seconds of backward compute
+    reduce-scatter of fp32 gradients (``grad_bytes``; 2 with ``--grad-reduce-in-bf16``) and an
+    all-gather of bf16 parameters (``param_bytes``; 1 with FP8 parameter gather), else an
+    all-reduce of the gradients; overlapped with ``window`` seconds of backward compute
     (``--overlap-grad-reduce`` / ``--overlap-param-gather``)."""
     if len(ranks) <= 1:
         return 0.0
     if distributed_optimizer:
-        t = (collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks)
-             + collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks))
+        t = (collective_seconds(cluster, "reduce_scatter", grad_bytes * params_per_rank, ranks)
+             + collective_seconds(cluster, "all_gather", param_bytes * params_per_rank, ranks))
     else:
-        t = collective_seconds(cluster, "all_reduce", 4 * params_per_rank, ranks)
+        t = collective_seconds(cluster, "all_reduce", grad_bytes * params_per_rank, ranks)
     return overlapped_seconds(t, window)
 
 
 def fsdp_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
-                 window: float) -> float:
+                 window: float, grad_bytes: int = 4, param_bytes: int = 2) -> float:
     """Exposed FSDP traffic (Megatron-FSDP ``optim_grads_params``, ZeRO-3) over the DPxCP
     ``ranks`` per step: an all-gather of the bf16 weights for the forward and another for the
     backward, a reduce-scatter of fp32 gradients, prefetched layer by layer beside ``window``
@@ -365,8 +367,8 @@ def fsdp_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
     move about this much per step; one that re-gathers per micro-batch moves more."""
     if len(ranks) <= 1:
         return 0.0
-    t = (2 * collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks)
-         + collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks))
+    t = (2 * collective_seconds(cluster, "all_gather", param_bytes * params_per_rank, ranks)
+         + collective_seconds(cluster, "reduce_scatter", grad_bytes * params_per_rank, ranks))
     return overlapped_seconds(t, window)
 
 

@@ -122,12 +122,14 @@ class PlanResult:
         return flag_notes(self.winner)
 
     def flags(self) -> list[str]:
-        return megatron_flags(self.winner, len(self.batch.lengths),
-                              self.options.distributed_optimizer, self.options.tp_comm_overlap)
+        o = self.options
+        return megatron_flags(self.winner, len(self.batch.lengths), o.distributed_optimizer,
+                              o.tp_comm_overlap, o.precision, o.fsdp, o.grad_reduce_in_bf16)
 
     def overrides(self) -> list[str]:
-        return bridge_overrides(self.winner, len(self.batch.lengths),
-                                self.options.distributed_optimizer, self.options.tp_comm_overlap)
+        o = self.options
+        return bridge_overrides(self.winner, len(self.batch.lengths), o.distributed_optimizer,
+                                o.tp_comm_overlap, o.precision, o.fsdp, o.grad_reduce_in_bf16)
 
     def to_json(self, top: int | None = None, explain: int = 3) -> dict:
         layouts = []
@@ -156,6 +158,8 @@ class PlanResult:
                 "model": vars(self.model).copy(),
                 "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
                             "tflops": c.flops_per_second / 1e12,
+                            "attention_tflops": c.attention_rate / 1e12,
+                            "hbm_gbps": (c.memory_bytes_per_second or 0) / 1e9,
                             "intra_gbps": c.intra_bytes_per_second / 1e9,
                             "inter_gbps": c.inter_bytes_per_second / 1e9,
                             "intra_latency_us": c.intra_latency_seconds * 1e6,
@@ -166,6 +170,8 @@ class PlanResult:
                 "options": vars(self.options).copy(),
             },
             "constants": {"overlap_slowdown": OVERLAP_SLOWDOWN,
+                          "working_bytes_per_token_hidden": _est.WORKING_BYTES,
+                          "main_grad_bytes_per_param": _est.MAIN_GRAD_BYTES,
                           "memory_reserve": _est.MEMORY_RESERVE,
                           "weight_grad_bytes_per_param": _est.WEIGHT_GRAD_BYTES,
                           "optimizer_bytes_per_param": _est.OPTIMIZER_BYTES,

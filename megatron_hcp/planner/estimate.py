@@ -34,20 +34,21 @@ __all__ = [
 ]
 
 #: bytes per parameter: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m 4 + v 4
-#: (Megatron-LM distributed optimizer docs: 18 without, 6 + 12/d with it over d DPxCP ranks)
+#: (Megatron-LM distributed optimizer docs: 18 without, 6 + 12/d with it over d DPxCP ranks);
+#: ``--grad-reduce-in-bf16`` keeps the main grad in bf16 (2 bytes less). FP8 (the Bridge
+#: FP8-CS recipe: ``fp8_param_gather``) keeps the layer weights as FP8 plus their FP8
+#: transpose, again 2 bytes per parameter
 WEIGHT_GRAD_BYTES = 6
 OPTIMIZER_BYTES = 12
 #: output logits on the last stage: bf16 logits + the fp32 copy the vocab-parallel cross entropy
 #: keeps for its backward
 LOGIT_BYTES = 6
 #: bytes per parameter and micro-batch the weight-gradient GEMM moves to update the fp32 main
-#: gradient (read + write; megatron's gradient-accumulation fusion accumulates into it)
+#: gradient (read + write; megatron's gradient-accumulation fusion accumulates into it); half
+#: with bf16 main grads
 MAIN_GRAD_BYTES = 8
 #: Megatron-FSDP: unsharded bf16 weights of the layer being computed and of the prefetched one
 FSDP_GATHERED_LAYERS = 2
-#: FP8 (Transformer Engine): the FP8 copy of every linear weight and its transpose, cached
-#: across the micro-batches of a step (TE's ``weight_fp8`` / ``weight_t_fp8``), 1 byte each
-FP8_WEIGHT_BYTES = 2
 #: working buffers of the layer being computed, per token and hidden unit, that TP does not
 #: shrink: the all-gathered GEMM input (sequence parallelism gathers the whole sequence of the
 #: CP rank) and the gradient of the layer input, 2 bytes each
@@ -204,12 +205,13 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int
     if pp == 1:
         first = last = model.params()
     d = layout.dp * layout.cp
-    per_param = WEIGHT_GRAD_BYTES + (OPTIMIZER_BYTES / d if options.distributed_optimizer
-                                     else OPTIMIZER_BYTES)
-    fp8_weights = FP8_WEIGHT_BYTES * layer_params / tp if options.precision == "fp8" else 0.0
-    if options.fsdp:  # everything sharded; gathered bf16 weights (FP8 copies transient)
-        per_param = (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES) / d
-        fp8_weights = FSDP_GATHERED_LAYERS * 2 * model.params_per_layer() / tp
+    weight_grad = WEIGHT_GRAD_BYTES - (2 if options.grad_reduce_in_bf16 else 0)
+    per_param = weight_grad + (OPTIMIZER_BYTES / d if options.distributed_optimizer
+                               else OPTIMIZER_BYTES)
+    gathered = 0.0
+    if options.fsdp:  # everything sharded, plus the gathered weights of two layers
+        per_param = (weight_grad + OPTIMIZER_BYTES) / d
+        gathered = FSDP_GATHERED_LAYERS * 2 * model.params_per_layer() / tp
     selective = _activation_bytes_per_token(model, tp, options.precision)
     working = WORKING_BYTES * model.hidden_size * tokens
     if recompute == "full":  # layer inputs only, plus one layer being recomputed
@@ -227,11 +229,11 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int
         working += 2 * 2 * tokens * kv_local  # K/V chunk in flight and the one being used
     logits = LOGIT_BYTES * tokens * model.vocab_size / tp
     stages = [  # (weights + optimizer, activations, logits) of the first and the last stage
-        (first / tp * per_param + fp8_weights, per_mb * in_flight + working, 0.0),
-        (last / tp * per_param + fp8_weights, per_mb + working, logits),
+        (first / tp * per_param + gathered, per_mb * in_flight + working, 0.0),
+        (last / tp * per_param + gathered, per_mb + working, logits),
     ]
     if pp == 1:
-        stages = [(first / tp * per_param + fp8_weights, per_mb * in_flight + working, logits)]
+        stages = [(first / tp * per_param + gathered, per_mb * in_flight + working, logits)]
     weights, acts, out = max(stages, key=sum)
     return {"weights_optimizer": weights, "activations": acts, "logits": out,
             "total": weights + acts + out}
@@ -287,7 +289,8 @@ class _Costs:
         if not hbm:
             return gemm + attention
         b = 1 if self.options.precision == "fp8" else 2
-        per_param = (3 if self.recompute == "full" else 2) * b + MAIN_GRAD_BYTES
+        main_grad = MAIN_GRAD_BYTES // (2 if self.options.grad_reduce_in_bf16 else 1)
+        per_param = (3 if self.recompute == "full" else 2) * b + main_grad
         params = (self.model.num_layers * self.model.params_per_layer()
                   + self.model.vocab_size * self.model.hidden_size) / self.layout.tp
         return max(gemm, params * per_param / hbm) + attention
@@ -444,11 +447,13 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     window = min(x[0] for r in replicas for x in r) * 2 / 3 * share
     params_per_rank = model.params() / layout.pp / layout.tp
     dp_cp = grid.groups["dp_cp"][0]
+    sizes = {"grad_bytes": 2 if options.grad_reduce_in_bf16 else 4,  # fp8: FP8 param gather
+             "param_bytes": 1 if options.precision == "fp8" else 2}
     if options.fsdp:  # prefetched beside the whole step's compute
-        parts["dp"] = fsdp_seconds(cluster, params_per_rank, dp_cp, parts["compute"])
+        parts["dp"] = fsdp_seconds(cluster, params_per_rank, dp_cp, parts["compute"], **sizes)
     else:
         parts["dp"] = dp_gradient_seconds(cluster, params_per_rank, dp_cp,
-                                          options.distributed_optimizer, window)
+                                          options.distributed_optimizer, window, **sizes)
     step += parts["dp"]
     mem = memory_per_gpu(model, layout, tokens_mb, min(layout.pp, m), recompute, options,
                          cluster)

@@ -42,8 +42,8 @@ PRECISIONS = ("bf16", "fp8")
 #: share of the dense peak of the run's precision that the linear layers (and the output layer)
 #: reach, end to end (kernel efficiency, launch gaps, element-wise work between the GEMMs), per
 #: (architecture, precision); fitted, see the module docstring
-GEMM_EFFICIENCY = {("hopper", "bf16"): 0.582, ("hopper", "fp8"): 0.408,
-                   ("blackwell", "bf16"): 0.582, ("blackwell", "fp8"): 0.373}
+GEMM_EFFICIENCY = {("hopper", "bf16"): 0.585, ("hopper", "fp8"): 0.408,
+                   ("blackwell", "bf16"): 0.585, ("blackwell", "fp8"): 0.373}
 #: share of the dense BF16 peak that fused (flash) attention reaches, forward + backward, per
 #: architecture; fitted
 ATTENTION_EFFICIENCY = {"hopper": 0.286, "blackwell": 0.367}

@@ -38,7 +38,8 @@ def run_options(run: PublishedRun, ranking: bool = False) -> Options:
     is the planner's default ``auto``."""
     recompute = "auto" if ranking and run.recompute is None else run.recompute_mode
     return Options(recompute=recompute, precision=run.precision,
-                   fsdp=run.data_parallel == "fsdp", tp_comm_overlap=run.tp_comm_overlap)
+                   fsdp=run.data_parallel == "fsdp", tp_comm_overlap=run.tp_comm_overlap,
+                   grad_reduce_in_bf16=run.grad_reduce_in_bf16)
 
 
 @dataclass

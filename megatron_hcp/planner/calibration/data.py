@@ -76,6 +76,7 @@ class PublishedRun:
     notes: str = ""
     in_summary: bool = True  # False: the source's hardware is not a preset (see its caveat)
     tp_comm_overlap: bool = False
+    grad_reduce_in_bf16: bool = False
 
     @property
     def recompute_mode(self) -> str:
@@ -193,7 +194,8 @@ def _run(row: dict, models: dict[str, ModelSpec], sources: dict) -> PublishedRun
         flops=flops, pair=row.get("pair"), fit=bool(row.get("fit", False)),
         micro_batch=row.get("micro_batch"), notes=str(row.get("notes", "")),
         in_summary=bool(sources[row["source"]].get("in_summary", True)),
-        tp_comm_overlap=bool(row.get("tp_comm_overlap", False)))
+        tp_comm_overlap=bool(row.get("tp_comm_overlap", False)),
+        grad_reduce_in_bf16=bool(row.get("grad_reduce_in_bf16", False)))
 
 
 def load_yaml(path: Path | str | None = None) -> dict:
