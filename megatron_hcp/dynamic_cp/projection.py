@@ -358,18 +358,17 @@ def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequenc
 
 
 def fsdp_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
-                 window: float, grad_bytes: int = 4, param_bytes: int = 2) -> float:
+                 micro_batch_compute: Sequence[float], grad_bytes: int = 4,
+                 param_bytes: int = 2) -> float:
     """Exposed FSDP traffic (Megatron-FSDP ``optim_grads_params``, ZeRO-3) over the DPxCP
-    ``ranks`` per step: an all-gather of the bf16 weights for the forward and another for the
-    backward, a reduce-scatter of fp32 gradients, prefetched layer by layer beside ``window``
-    seconds of compute (the step's). Frameworks that keep the gathered weights across the
-    micro-batches of a step (PyTorch FSDP with pipelining, Llama 3's "no reshard after forward")
-    move about this much per step; one that re-gathers per micro-batch moves more."""
+    ``ranks``: every micro-batch all-gathers the weights for its forward and again for its
+    backward and reduce-scatters its gradients (sharded gradients cannot be accumulated
+    unsharded), layer by layer beside that micro-batch's compute (prefetching)."""
     if len(ranks) <= 1:
         return 0.0
     t = (2 * collective_seconds(cluster, "all_gather", param_bytes * params_per_rank, ranks)
          + collective_seconds(cluster, "reduce_scatter", grad_bytes * params_per_rank, ranks))
-    return overlapped_seconds(t, window)
+    return sum(overlapped_seconds(t, c) for c in micro_batch_compute)
 
 
 def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,

@@ -449,8 +449,10 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     dp_cp = grid.groups["dp_cp"][0]
     sizes = {"grad_bytes": 2 if options.grad_reduce_in_bf16 else 4,  # fp8: FP8 param gather
              "param_bytes": 1 if options.precision == "fp8" else 2}
-    if options.fsdp:  # prefetched beside the whole step's compute
-        parts["dp"] = fsdp_seconds(cluster, params_per_rank, dp_cp, parts["compute"], **sizes)
+    if options.fsdp:  # every micro-batch of the slowest replica, beside its own compute
+        slowest = max((r for r in replicas if r), key=lambda r: sum(map(sum, r)))
+        parts["dp"] = fsdp_seconds(cluster, params_per_rank, dp_cp,
+                                   [x[0] * share for x in slowest], **sizes)
     else:
         parts["dp"] = dp_gradient_seconds(cluster, params_per_rank, dp_cp,
                                           options.distributed_optimizer, window, **sizes)
