@@ -16,18 +16,20 @@ rankings (seconds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_hcp.planner import gpus  # noqa: E402
+from megatron_hcp.planner import Batch, gpus, plan  # noqa: E402
 from megatron_hcp.planner.calibration import (  # noqa: E402
     compare_all,
     load_published,
     pair_gains,
     summarize,
 )
+from megatron_hcp.planner.calibration.compare import run_cluster, run_options  # noqa: E402
 from megatron_hcp.planner.calibration.fit import fit_efficiencies  # noqa: E402
 
 
@@ -80,6 +82,24 @@ def main() -> None:
         for g in gains:
             print(f"| {g.key} | {g.measured:.2f}x | {g.projected:.2f}x | "
                   f"{g.without_cp.estimate.layout.label if g.without_cp.estimate else '-'} |")
+    nocp = [c for c in comparisons if c.run.layout is None]
+    if nocp and not args.no_best:  # the runs without CP whose layout is not published
+        print()
+        print("| run without CP | measured | best with TP in a node | TP <= 16 | TP <= 32 |")
+        print("|---|---|---|---|---|")
+        for c in nocp:
+            cells = []
+            for max_tp in (None, 16, 32):
+                options = dataclasses.replace(run_options(c.run, True), max_tp=max_tp)
+                ranked = plan(c.run.model, Batch.fixed_length(c.run.seq_length,
+                                                              c.run.global_batch),
+                              run_cluster(c.run), options).ranked
+                e = next((x for x in ranked if x.fits and x.layout.cp == 1
+                          and not x.layout.dynamic), None)
+                cells.append("-" if e is None else
+                             f"{e.layout.label}: {e.tokens_per_second_per_gpu:.4g} "
+                             f"({_pct(e.tokens_per_second_per_gpu / c.measured - 1)})")
+            print(f"| {c.run.id} | {c.measured:.4g} | {' | '.join(cells)} |")
     s = summarize(comparisons)
     print()
     print(s.line())

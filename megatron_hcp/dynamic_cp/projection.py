@@ -12,9 +12,10 @@ Per layer, per ring step of a sequence of length ``L`` on ``c`` ranks (chunk ``L
   forward attention FLOPs; exposed = ``max(0, latency + bytes / bandwidth - attention time)``;
 * backward: twice the bytes, overlapped with the backward attention (2x forward).
 
-The hardware numbers are assumptions (defaults: an H100-class GPU, 400 TFLOP/s achieved,
-100 GB/s and 10 us per ring step); the benchmark prints results for several of them. This is a
-projection, not a measurement: no GPU was available to calibrate it.
+The single-link :class:`Hardware` numbers are assumptions (defaults: an H100-class GPU, 400
+TFLOP/s achieved, 100 GB/s and 10 us per ring step); the benchmark prints results for several of
+them. The layout planner builds its :class:`Cluster` from GPU presets whose efficiencies are
+fitted to published measurements (:mod:`megatron_hcp.planner.calibration`); no GPU ran here.
 
 The layout planner (:mod:`megatron_hcp.planner`) uses the same accounting with two link classes
 (:class:`Cluster`: inside a node / across nodes, each group priced by where its ranks sit):

@@ -84,7 +84,11 @@ def compare_run(run: PublishedRun, with_best: bool = True,
             result.note = "the model says it does not fit"
         if with_best:
             ranked = plan(run.model, batch, cluster, run_options(run, True)).ranked
-            fitting = [e for e in ranked if e.fits] or ranked
+            fitting = [e for e in ranked if e.fits]
+            if not fitting:
+                fitting = ranked
+                result.note = "; ".join(x for x in (result.note, "no layout fits the memory "
+                                                    "model with the reported recompute") if x)
             result.best = fitting[0]
             result.rank = 1 + sum(e.step_seconds < exact.step_seconds for e in fitting)
             result.gap = exact.step_seconds / result.best.step_seconds - 1
