@@ -31,6 +31,7 @@ from megatron_hcp.planner.calibration import (  # noqa: E402
 )
 from megatron_hcp.planner.calibration.compare import run_cluster, run_options  # noqa: E402
 from megatron_hcp.planner.calibration.fit import fit_efficiencies  # noqa: E402
+from megatron_hcp.planner.calibration.plot import plot_comparisons  # noqa: E402
 
 
 def _layout(c) -> str:
@@ -48,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-best", action="store_true", help="skip the planner's own rankings")
     ap.add_argument("--fit", action="store_true", help="refit the efficiency constants")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="projected vs measured tokens/s per GPU, every run (PNG)")
     args = ap.parse_args()
     runs = load_published()
     if args.fit:
@@ -60,6 +63,8 @@ def main() -> None:
                   f"(now {gpus.ATTENTION_EFFICIENCY[key]:.3f})")
         print()
     comparisons = compare_all(runs, with_best=not args.no_best)
+    if args.plot:
+        plot_comparisons(comparisons, args.plot)
     print("| run | model | seq | GPUs | GPU, precision | published layout | measured tok/s/GPU "
           "| projected | error | rank | gap to best | planner's best | notes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

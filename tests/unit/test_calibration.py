@@ -314,6 +314,17 @@ def test_every_long_sequence_run_projects_and_the_no_cp_collapse_is_modelled(run
         run.model, run.seq_length, "full-attention"))
 
 
+def test_calibration_plot_writes_png(tmp_path, comparisons):
+    from megatron_hcp.planner.calibration.plot import plot_comparisons
+
+    path = tmp_path / "calibration.png"
+    plot_comparisons(comparisons, str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+    with pytest.raises(ValueError, match="no comparison"):
+        plot_comparisons([], str(tmp_path / "empty.png"))
+
+
 def test_published_file_ships_as_package_data():
     assert DEFAULT_PATH.name == "published.yaml" and DEFAULT_PATH.is_file()
     setup = (DEFAULT_PATH.parents[3] / "setup.py").read_text()
