@@ -120,6 +120,11 @@ def main() -> None:
                 and c.run.layout is not None and not c.estimate.fits]
     print(f"published layouts the memory model says do not fit: {len(disagree)} "
           f"({', '.join(disagree)})")
+    print()
+    print("tokens/s per GPU derived from published TFLOP/s:")
+    for r in runs:
+        if r.published_unit == "tflops_per_gpu":
+            print(f"- {r.id}: {r.derivation} = {r.measured:.4g}")
 
 
 if __name__ == "__main__":
