@@ -32,6 +32,8 @@ setup(
         "with a pure-PyTorch CP attention backend and CPU/gloo runtime"
     ),
     packages=find_packages(include=["megatron_hcp", "megatron_hcp.*"]),
+    # the planner's published calibration set (megatron_hcp/planner/calibration/published.yaml)
+    package_data={"megatron_hcp.planner.calibration": ["published.yaml"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.6",

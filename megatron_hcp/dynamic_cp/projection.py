@@ -12,9 +12,10 @@ Per layer, per ring step of a sequence of length ``L`` on ``c`` ranks (chunk ``L
   forward attention FLOPs; exposed = ``max(0, latency + bytes / bandwidth - attention time)``;
 * backward: twice the bytes, overlapped with the backward attention (2x forward).
 
-The hardware numbers are assumptions (defaults: an H100-class GPU, 400 TFLOP/s achieved,
-100 GB/s and 10 us per ring step); the benchmark prints results for several of them. This is a
-projection, not a measurement: no GPU was available to calibrate it.
+The single-link :class:`Hardware` numbers are assumptions (defaults: an H100-class GPU, 400
+TFLOP/s achieved, 100 GB/s and 10 us per ring step); the benchmark prints results for several of
+them. The layout planner builds its :class:`Cluster` from GPU presets whose efficiencies are
+fitted to published measurements (:mod:`megatron_hcp.planner.calibration`); no GPU ran here.
 
 The layout planner (:mod:`megatron_hcp.planner`) uses the same accounting with two link classes
 (:class:`Cluster`: inside a node / across nodes, each group priced by where its ranks sit):
@@ -47,6 +48,7 @@ __all__ = [
     "dp_gradient_seconds",
     "dynamic_group_seconds",
     "dynamic_levels",
+    "fsdp_seconds",
     "group_pricer",
     "group_seconds",
     "overlapped_seconds",
@@ -144,7 +146,13 @@ class Cluster:
     Defaults: an H100 SXM node (NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per
     GPU; 80 GB HBM3), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s per direction, DGX H100
     rail-optimised), latencies 5 us (NVLink) and 10 us (IB) per message, 400 TFLOP/s achieved
-    bf16 (about 40 % of the 989 TFLOP/s dense peak). All are assumptions, not measurements.
+    bf16 (about 40 % of the 989 TFLOP/s dense peak). The layout planner builds its clusters from
+    GPU presets instead (:mod:`megatron_hcp.planner.gpus`, calibrated rates).
+
+    ``flops_per_second`` is the rate of the GEMMs (linear and output layers);
+    ``attention_flops_per_second`` that of the attention kernel (``L^2`` FLOPs), by default the
+    same. The two differ in practice: FP8 recipes run only the GEMMs in FP8, and fused attention
+    reaches a lower share of the peak than large GEMMs.
     """
 
     nodes: int = 1
@@ -156,10 +164,24 @@ class Cluster:
     inter_latency_seconds: float = 10e-6
     memory_bytes: float = 80e9
     bytes_per_element: int = 2
+    attention_flops_per_second: float | None = None
+    memory_bytes_per_second: float | None = None  # HBM; None: no weight-streaming bound
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def attention_rate(self) -> float:
+        """FLOP/s of the attention kernel (``attention_flops_per_second``, else the GEMM rate)."""
+        return self.attention_flops_per_second or self.flops_per_second
+
+    def compute_seconds(self, workload: GPTWorkload, length: int, group_size: int) -> float:
+        """Seconds of one rank's share of ``length`` on ``group_size`` ranks (fwd + bwd): the
+        linear layers at the GEMM rate, the ``L^2`` attention at the attention rate."""
+        linear = length * workload.linear_flops_per_token() / group_size
+        attention = workload.attention_flops(length) / group_size
+        return linear / self.flops_per_second + attention / self.attention_rate
 
     def placement(self, ranks: Sequence[int]) -> tuple[int, int]:
         """(nodes the ranks span, fewest of them on one of those nodes)."""
@@ -263,7 +285,7 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
     d = workload.head_dim
     nq = workload.num_attention_heads / tp
     nkv = (workload.num_query_groups or workload.num_attention_heads) / tp
-    flops = cluster.flops_per_second
+    flops = cluster.attention_rate
     attn_fwd = workload.attention_flops(length) / (3 * workload.num_layers) / c / tp / flops
     kv_chunk = 2 * (length / c) * nkv * d * b
 
@@ -295,17 +317,22 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
 
 
 def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
-                     tp_ranks: Sequence[int], overlap_compute: float | None = None) -> LayerComm:
+                     tp_ranks: Sequence[int], overlap_compute: float | None = None,
+                     gather_bytes_per_element: float | None = None) -> LayerComm:
     """TP traffic of one layer with sequence parallelism (megatron's layout): forward
     all-gathers the ``tokens x hidden`` activation before the QKV and FC1 GEMMs and
     reduce-scatters after the projection and FC2 (2 + 2 collectives); backward the same.
     Not overlapped (megatron's default), or beside ``overlap_compute`` seconds per direction
-    (``--tp-comm-overlap``: Transformer Engine's userbuffers)."""
+    (``--tp-comm-overlap``: Transformer Engine's userbuffers). ``gather_bytes_per_element``
+    (default ``bytes_per_element``) prices the all-gathers: 1 under FP8, where Transformer
+    Engine quantizes the GEMM input before gathering it (``with_quantized_all_gather = fp8`` in
+    its LayerNormLinear / LayerNormMLP); the reduce-scatters of GEMM outputs stay BF16."""
     if len(tp_ranks) <= 1:
         return LayerComm()
     buf = tokens * hidden * cluster.bytes_per_element
-    t = 2 * collective_seconds(cluster, "all_gather", buf, tp_ranks) + 2 * collective_seconds(
-        cluster, "reduce_scatter", buf, tp_ranks)
+    gathered = tokens * hidden * (gather_bytes_per_element or cluster.bytes_per_element)
+    t = 2 * collective_seconds(cluster, "all_gather", gathered, tp_ranks) + 2 * (
+        collective_seconds(cluster, "reduce_scatter", buf, tp_ranks))
     if overlap_compute is not None:
         return LayerComm(overlapped_seconds(t, overlap_compute),
                          overlapped_seconds(t, 2 * overlap_compute))
@@ -313,30 +340,52 @@ def tp_layer_seconds(cluster: Cluster, tokens: float, hidden: int,
 
 
 def dp_gradient_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
-                        distributed_optimizer: bool, window: float) -> float:
+                        distributed_optimizer: bool, window: float, grad_bytes: int = 4,
+                        param_bytes: int = 2) -> float:
     """Exposed gradient synchronisation over the DPxCP ``ranks`` (megatron reduces gradients
     over data and context parallel ranks together): with the distributed optimizer a
-    reduce-scatter of fp32 gradients and an all-gather of bf16 parameters, else an all-reduce
-    of fp32 gradients; overlapped with ``window`` seconds of backward compute
+    reduce-scatter of fp32 gradients (``grad_bytes``; 2 with ``--grad-reduce-in-bf16``) and an
+    all-gather of bf16 parameters (``param_bytes``; 1 with FP8 parameter gather), else an
+    all-reduce of the gradients; overlapped with ``window`` seconds of backward compute
     (``--overlap-grad-reduce`` / ``--overlap-param-gather``)."""
     if len(ranks) <= 1:
         return 0.0
     if distributed_optimizer:
-        t = (collective_seconds(cluster, "reduce_scatter", 4 * params_per_rank, ranks)
-             + collective_seconds(cluster, "all_gather", 2 * params_per_rank, ranks))
+        t = (collective_seconds(cluster, "reduce_scatter", grad_bytes * params_per_rank, ranks)
+             + collective_seconds(cluster, "all_gather", param_bytes * params_per_rank, ranks))
     else:
-        t = collective_seconds(cluster, "all_reduce", 4 * params_per_rank, ranks)
+        t = collective_seconds(cluster, "all_reduce", grad_bytes * params_per_rank, ranks)
     return overlapped_seconds(t, window)
 
 
+def fsdp_seconds(cluster: Cluster, params_per_rank: float, ranks: Sequence[int],
+                 micro_batch_compute: Sequence[float], grad_bytes: int = 4,
+                 param_bytes: int = 2) -> float:
+    """Exposed FSDP traffic (Megatron-FSDP ``optim_grads_params``, ZeRO-3) over the DPxCP
+    ``ranks``: every micro-batch all-gathers the weights for its forward and again for its
+    backward and reduce-scatters its gradients (sharded gradients cannot be accumulated
+    unsharded), layer by layer beside that micro-batch's compute (prefetching)."""
+    if len(ranks) <= 1:
+        return 0.0
+    t = (2 * collective_seconds(cluster, "all_gather", param_bytes * params_per_rank, ranks)
+         + collective_seconds(cluster, "reduce_scatter", grad_bytes * params_per_rank, ranks))
+    return sum(overlapped_seconds(t, c) for c in micro_batch_compute)
+
+
 def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
-                            transfer_seconds: float) -> float:
-    """1F1B with ``pp`` stages (each micro-batch takes ``t / pp`` per stage): the step is
-    ``sum(t) / pp`` of work plus ``pp - 1`` slots of the longest micro-batch while the pipeline
-    fills and drains, each with an activation transfer forward and a gradient transfer back."""
+                            transfer_seconds: float, vp: int = 1,
+                            stage_share: float | None = None) -> float:
+    """1F1B with ``pp`` stages (each micro-batch takes ``t * stage_share`` on the fullest
+    stage, ``stage_share`` = 1/pp for an even split): the step is ``sum(t) * stage_share`` of
+    work plus ``pp - 1`` slots of the longest micro-batch while the pipeline fills and drains,
+    each with an activation transfer forward and a gradient transfer back. The interleaved
+    schedule with ``vp`` model chunks per stage shrinks each slot to ``1/vp`` of a stage
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", Sec. 2.2.2: bubble ``(p-1)/(v m)``)."""
     if pp <= 1 or not micro_batch_seconds:
         return 0.0
-    return (pp - 1) * (max(micro_batch_seconds) / pp + 2 * transfer_seconds)
+    share = 1.0 / pp if stage_share is None else stage_share
+    return (pp - 1) * (max(micro_batch_seconds) * share / vp + 2 * transfer_seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,7 +418,7 @@ def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[in
     if workload.mode != "flops":
         raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
     c = len(ranks)
-    compute = workload.cost(length, c) / cluster.flops_per_second
+    compute = cluster.compute_seconds(workload, length, c)
     if c <= 1:
         return compute
     a, p = dynamic_levels(c, hcp_a2a_size)

@@ -12,47 +12,57 @@ distribution adds dynamic-CP layouts (DPxCP a power of two, ``p2p``, minimum gro
 8, token cap per rank = the most that fits in memory, aligned to 256; CP = the smallest group
 that holds the longest sequence), scheduled by :func:`megatron_hcp.dynamic_cp.scheduler.schedule`.
 
+Cluster: a GPU preset (``--gpu h100|h200|b200|gb200``, :mod:`.gpus`: vendor peak, memory, HBM,
+NVLink and NIC bandwidth, efficiencies fitted to published runs); every explicit flag
+(``--tflops``, ``--attention-tflops``, ``--intra-gbps``, ...) overrides the preset.
+
 Time per step (:mod:`megatron_hcp.dynamic_cp.projection`, the scheduler's cost model):
 
-* compute: training FLOPs of :class:`~megatron_hcp.dynamic_cp.workload.GPTWorkload` (linear
-  layers, causal attention ``L^2``, output layer ``6 h V`` per token) / (TP x CP) at the achieved
-  FLOP rate (``--tflops``, default 400 TFLOP/s: ~40 % of an H100's 989 TFLOP/s dense bf16);
-  full recompute adds one forward of the layers (x 4/3);
+* compute: training FLOPs of :class:`~megatron_hcp.dynamic_cp.workload.GPTWorkload` / (TP x CP):
+  the GEMMs (linear layers, output layer ``6 h V`` per token) at the GEMM rate of the precision
+  (``--precision``; FP8 recipes run only the linear layers in FP8), causal attention ``L^2`` at
+  the attention rate (BF16); full recompute adds one forward of the layers (x 4/3). A
+  micro-batch's GEMMs take at least the time to stream the weights from HBM (forward and
+  data-gradient reads, the main-gradient update): few tokens per rank make GEMMs memory-bound;
 * CP (:func:`~megatron_hcp.dynamic_cp.projection.cp_layer_seconds`): the ring (``p2p`` and the
   outer level of ``a2a+p2p``) overlapped with each step's attention block; ``a2a`` and
   ``all_gather`` not overlapped; a recomputed forward repeats the forward traffic;
 * TP with sequence parallelism: 2 all-gathers + 2 reduce-scatters of the ``tokens x hidden``
-  activation per layer and direction, not overlapped (megatron's default) unless
-  ``--tp-comm-overlap``;
-* DP: reduce-scatter of fp32 gradients + all-gather of bf16 parameters over DPxCP (distributed
-  optimizer; all-reduce of fp32 gradients without it), overlapped with the last micro-batch's
-  backward (``--overlap-grad-reduce``);
-* PP (1F1B): ``(m + p - 1)`` stage slots for ``m`` micro-batches, i.e. a bubble of ``p - 1``
-  slots plus two activation transfers per extra stage;
+  activation per layer and direction (all-gathers in FP8 under ``--precision fp8``), not
+  overlapped (megatron's default) unless ``--tp-comm-overlap``;
+* DP: reduce-scatter of fp32 gradients (bf16 with ``--grad-reduce-in-bf16``) + all-gather of
+  bf16 parameters (FP8 under fp8) over DPxCP (distributed optimizer; all-reduce without it),
+  overlapped with the last micro-batch's backward; ``--fsdp`` (ZeRO-3): every micro-batch
+  gathers the weights twice and reduce-scatters its gradients beside its own compute;
+* PP (1F1B): ``(m + p - 1)`` stage slots for ``m`` micro-batches (a bubble of ``p - 1`` slots
+  of the fullest stage, ``ceil(L/p)`` layers; ``1/vp`` of a slot with ``vp`` interleaved
+  chunks) plus two activation transfers per extra stage;
 * overlapped traffic still costs ``OVERLAP_SLOWDOWN = 0.189`` of its hidden duration (average
   compute slowdown under concurrent communication, Lee et al. 2025, arXiv:2507.03114);
-* links (:class:`~megatron_hcp.dynamic_cp.projection.Cluster`): inside a node 450 GB/s, 5 us
-  (NVLink 4: 900 GB/s bidirectional); across nodes 50 GB/s, 10 us per GPU (one 400 Gb/s NIC per
-  GPU, DGX H100). A ring step is as slow as its slowest hop; a collective over ``k`` ranks per
-  node on several nodes runs at ``min(intra, k x inter)`` (NCCL: one ring per NIC); an
-  all-to-all sends ``(k-1)/n`` over NVLink and ``(n-k)/n`` over the NIC concurrently;
-  ``bytes_per_element`` 2 (bf16). The optimizer step and kernel launch gaps are not modelled.
+* links (:class:`~megatron_hcp.dynamic_cp.projection.Cluster`): a ring step is as slow as its
+  slowest hop; a collective over ``k`` ranks per node on several nodes runs at
+  ``min(intra, k x inter)`` (NCCL: one ring per NIC); an all-to-all sends ``(k-1)/n`` over
+  NVLink and ``(n-k)/n`` over the NIC concurrently. The optimizer step is not modelled.
 
 Memory per GPU (the fuller of the first and last pipeline stage):
 
 * weights + gradients + optimizer: bf16 weight 2 + fp32 main gradient 4 + Adam (fp32 master,
   two moments) 12 bytes per parameter; with the distributed optimizer the 12 are sharded over the
   DPxCP ranks (Megatron-LM distributed-optimizer docs: 18 vs 6 + 12/d bytes per parameter);
-  parameters split over TP (vocabulary too) and PP (embedding on the first stage, the output layer
-  on the last; one shared matrix when tied and PP = 1);
+  bf16 main gradients 2 bytes less; FP8 (FP8 weights + their transpose) the same 2 bytes as
+  bf16; FSDP shards all 18 and holds two layers' bf16 weights gathered; parameters split over TP
+  (vocabulary too) and PP (embedding on the first stage, the output layer on the last);
 * activations per layer and token (Korthikanti et al. 2022, "Reducing Activation Recomputation
   in Large Transformer Models", Sec. 4, with sequence parallelism and selective recompute, i.e.
   the attention scores are recomputed / flash attention: 34 h bytes for GPT with a 4h MLP),
   generalised to GQA and gated MLPs: norms 4h + QKV input 2h + Q, K, V 2q + 4kv + attention output
   2q + FC1 input 2h + MLP 4f (gated 6f) + dropout masks 2h (megatron's default dropout 0.1) +
-  softmax statistics 4 nq, all / TP; times the layers of a stage and the micro-batches in flight
-  on the first stage (1F1B: ``min(p, m)``). Full recompute keeps 2h/TP per layer and token plus
-  one layer's working set;
+  softmax statistics 4 nq, all / TP (FP8: the four linear inputs at 1 byte); times the layers of
+  a stage and the micro-batches in flight on the first stage (1F1B: ``min(p, m)``; interleaved
+  ``x (1 + (p-1)/(p vp))``). Full recompute keeps 2h/TP per layer and token plus one layer's
+  working set;
+* the working buffers of the layer being computed that TP does not shrink: the all-gathered
+  GEMM input and the layer-input gradient, 4 bytes per token and hidden unit;
 * CP buffers of one layer: ring K/V chunks in flight (2 x 2 chunks) or the all-gathered K/V;
 * logits on the last stage: 6 bytes per token and vocabulary entry / TP (bf16 logits + the fp32
   copy of the vocabulary-parallel cross entropy);
@@ -60,11 +70,12 @@ Memory per GPU (the fuller of the first and last pipeline stage):
   an assumption). Layouts that do not fit are ranked after those that do and marked, never
   dropped; ``--recompute auto`` (default) uses selective recompute when it fits, else full.
 
-Ranking: fitting layouts first; step times within ``--tie-tolerance`` (default 2 %: the
-constants above are uncalibrated assumptions, finer differences are below the model's
-resolution) are a tie, won by the layout with the least memory per GPU (the Bridge page prefers
-TP2 CP4 a2a over TP1 CP16 a2a+p2p for "identical throughput with more memory headroom"), at equal
-memory (within 1 GB) by the faster. No GPU was available to calibrate any of this.
+Ranking: fitting layouts first; step times within ``--tie-tolerance`` (default 2 %: below the
+model's resolution, see :mod:`.calibration`) are a tie, won by the layout with the least memory
+per GPU (the Bridge page prefers TP2 CP4 a2a over TP1 CP16 a2a+p2p for "identical throughput
+with more memory headroom"), at equal memory (within 1 GB) by the faster. How far to trust the
+projection: :mod:`.calibration` compares it with published measurements (``megatron-hcp plan``
+prints the summary); no GPU ran here.
 """
 
 from __future__ import annotations
@@ -122,12 +133,14 @@ class PlanResult:
         return flag_notes(self.winner)
 
     def flags(self) -> list[str]:
-        return megatron_flags(self.winner, len(self.batch.lengths),
-                              self.options.distributed_optimizer, self.options.tp_comm_overlap)
+        o = self.options
+        return megatron_flags(self.winner, len(self.batch.lengths), o.distributed_optimizer,
+                              o.tp_comm_overlap, o.precision, o.fsdp, o.grad_reduce_in_bf16)
 
     def overrides(self) -> list[str]:
-        return bridge_overrides(self.winner, len(self.batch.lengths),
-                                self.options.distributed_optimizer, self.options.tp_comm_overlap)
+        o = self.options
+        return bridge_overrides(self.winner, len(self.batch.lengths), o.distributed_optimizer,
+                                o.tp_comm_overlap, o.precision, o.fsdp, o.grad_reduce_in_bf16)
 
     def to_json(self, top: int | None = None, explain: int = 3) -> dict:
         layouts = []
@@ -156,6 +169,8 @@ class PlanResult:
                 "model": vars(self.model).copy(),
                 "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
                             "tflops": c.flops_per_second / 1e12,
+                            "attention_tflops": c.attention_rate / 1e12,
+                            "hbm_gbps": (c.memory_bytes_per_second or 0) / 1e9,
                             "intra_gbps": c.intra_bytes_per_second / 1e9,
                             "inter_gbps": c.inter_bytes_per_second / 1e9,
                             "intra_latency_us": c.intra_latency_seconds * 1e6,
@@ -166,6 +181,8 @@ class PlanResult:
                 "options": vars(self.options).copy(),
             },
             "constants": {"overlap_slowdown": OVERLAP_SLOWDOWN,
+                          "working_bytes_per_token_hidden": _est.WORKING_BYTES,
+                          "main_grad_bytes_per_param": _est.MAIN_GRAD_BYTES,
                           "memory_reserve": _est.MEMORY_RESERVE,
                           "weight_grad_bytes_per_param": _est.WEIGHT_GRAD_BYTES,
                           "optimizer_bytes_per_param": _est.OPTIMIZER_BYTES,

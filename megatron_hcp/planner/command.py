@@ -46,17 +46,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lengths drawn from a clipped lognormal (seed --seed)")
     b.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     b.add_argument("--seed", type=int, default=0)
-    c = p.add_argument_group("cluster (defaults: H100 SXM nodes, see the module docstring)")
+    c = p.add_argument_group("cluster (a --gpu preset; the flags below override its values)")
+    c.add_argument("--gpu", default="h100", choices=["h100", "h200", "b200", "gb200"],
+                   help="GPU preset: vendor peak, memory, NVLink and NIC bandwidth, calibrated "
+                        "efficiencies (megatron_hcp/planner/gpus.py)")
     c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s per GPU in a node")
-    c.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per NVLink domain (default: the preset's, 8; gb200 72)")
+    c.add_argument("--intra-gbps", type=float, default=None, help="GB/s per GPU in a node")
+    c.add_argument("--inter-gbps", type=float, default=None, help="GB/s per GPU across nodes")
     c.add_argument("--intra-latency-us", type=float, default=5.0)
     c.add_argument("--inter-latency-us", type=float, default=10.0)
-    c.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU")
-    c.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    c.add_argument("--tflops", type=float, default=None,
+                   help="achieved GEMM TFLOP/s per GPU (default: preset peak x calibrated "
+                        "efficiency for --precision)")
+    c.add_argument("--attention-tflops", type=float, default=None,
+                   help="achieved attention TFLOP/s per GPU (default: from the preset)")
+    c.add_argument("--hbm-gbps", type=float, default=None, help="HBM GB/s per GPU")
+    c.add_argument("--gpu-memory-gb", type=float, default=None)
     o = p.add_argument_group("options")
     o.add_argument("--recompute", default="auto", choices=["auto", "selective", "full"])
+    o.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: Transformer Engine FP8 linear layers (attention stays BF16)")
+    o.add_argument("--fsdp", action="store_true",
+                   help="Megatron-FSDP (optim_grads_params) instead of the distributed optimizer")
+    o.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="bf16 main gradients (megatron keeps them fp32 under --bf16)")
     o.add_argument("--no-distributed-optimizer", action="store_true")
     o.add_argument("--tp-comm-overlap", action="store_true")
     o.add_argument("--te-version", default="2.8")
@@ -68,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace):
-    from ..dynamic_cp.projection import Cluster
+    from .gpus import cluster_for
     from .inputs import (
         Batch,
         ModelSpec,
@@ -124,10 +139,11 @@ def _build(args: argparse.Namespace):
         raise PlanInputError("give the sequence length (--seq-length) or a length "
                              "distribution (--lengths FILE or --lognormal ...)")
     for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("intra_gbps", "inter_gbps", "tflops", "gpu_memory_gb"):
-        if not getattr(args, name) > 0:
+    for name in ("intra_gbps", "inter_gbps", "tflops", "attention_tflops", "hbm_gbps",
+                 "gpu_memory_gb"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise PlanInputError(f"--{name.replace('_', '-')} must be > 0")
     for name in ("intra_latency_us", "inter_latency_us"):
         if not getattr(args, name) >= 0:
@@ -137,18 +153,29 @@ def _build(args: argparse.Namespace):
             raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.seed < 0:
         raise PlanInputError("--seed must be >= 0")
-    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                      flops_per_second=args.tflops * 1e12,
-                      intra_bytes_per_second=args.intra_gbps * 1e9,
-                      intra_latency_seconds=args.intra_latency_us * 1e-6,
-                      inter_bytes_per_second=args.inter_gbps * 1e9,
-                      inter_latency_seconds=args.inter_latency_us * 1e-6,
-                      memory_bytes=args.gpu_memory_gb * 1e9)
-    options = Options(recompute=args.recompute,
+    explicit = {field: getattr(args, flag) * scale for flag, field, scale in (
+        ("tflops", "flops_per_second", 1e12),
+        ("attention_tflops", "attention_flops_per_second", 1e12),
+        ("intra_gbps", "intra_bytes_per_second", 1e9),
+        ("inter_gbps", "inter_bytes_per_second", 1e9),
+        ("hbm_gbps", "memory_bytes_per_second", 1e9),
+        ("gpu_memory_gb", "memory_bytes", 1e9)) if getattr(args, flag) is not None}
+    cluster = cluster_for(args.gpu, args.precision, args.nodes, args.gpus_per_node,
+                          intra_latency_seconds=args.intra_latency_us * 1e-6,
+                          inter_latency_seconds=args.inter_latency_us * 1e-6, **explicit)
+    options = Options(recompute=args.recompute, precision=args.precision, fsdp=args.fsdp,
+                      grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                       distributed_optimizer=not args.no_distributed_optimizer,
                       tp_comm_overlap=args.tp_comm_overlap, te_version=args.te_version,
                       tie_tolerance=args.tie_tolerance, max_tp=args.max_tp)
     return model, batch, cluster, options
+
+
+def calibration_line() -> str:
+    """How well the model matched the published runs (recomputed from the data each time)."""
+    from .calibration import compare_all, load_published, summarize
+
+    return summarize(compare_all(load_published(), with_best=False)).line()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,10 +198,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return 0
     c = result.cluster
-    print(f"{len(result.ranked)} layouts for {c.nodes} x {c.gpus_per_node} GPUs "
-          f"({len(result.rejected)} rejected by CPConfig or the batch size); projected, "
-          "not measured")
+    print(f"{len(result.ranked)} layouts for {c.nodes} x {c.gpus_per_node} {args.gpu} GPUs, "
+          f"{args.precision} ({len(result.rejected)} rejected by CPConfig or the batch size); "
+          "projected, not measured")
     print(table(result.ranked, args.top))
+    print(calibration_line())
     print()
     print(f"winner: {result.why(result.winner)}")
     for e in result.ranked[1:3]:

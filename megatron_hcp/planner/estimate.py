@@ -14,6 +14,7 @@ from ..dynamic_cp.projection import (
     LayerComm,
     cp_layer_seconds,
     dp_gradient_seconds,
+    fsdp_seconds,
     p2p_seconds,
     pipeline_bubble_seconds,
     tp_layer_seconds,
@@ -33,12 +34,25 @@ __all__ = [
 ]
 
 #: bytes per parameter: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m 4 + v 4
-#: (Megatron-LM distributed optimizer docs: 18 without, 6 + 12/d with it over d DPxCP ranks)
+#: (Megatron-LM distributed optimizer docs: 18 without, 6 + 12/d with it over d DPxCP ranks);
+#: ``--grad-reduce-in-bf16`` keeps the main grad in bf16 (2 bytes less). FP8 (the Bridge
+#: FP8-CS recipe: ``fp8_param_gather``) keeps the layer weights as FP8 plus their FP8
+#: transpose, again 2 bytes per parameter
 WEIGHT_GRAD_BYTES = 6
 OPTIMIZER_BYTES = 12
 #: output logits on the last stage: bf16 logits + the fp32 copy the vocab-parallel cross entropy
 #: keeps for its backward
 LOGIT_BYTES = 6
+#: bytes per parameter and micro-batch the weight-gradient GEMM moves to update the fp32 main
+#: gradient (read + write; megatron's gradient-accumulation fusion accumulates into it); half
+#: with bf16 main grads
+MAIN_GRAD_BYTES = 8
+#: Megatron-FSDP: unsharded bf16 weights of the layer being computed and of the prefetched one
+FSDP_GATHERED_LAYERS = 2
+#: working buffers of the layer being computed, per token and hidden unit, that TP does not
+#: shrink: the all-gathered GEMM input (sequence parallelism gathers the whole sequence of the
+#: CP rank) and the gradient of the layer input, 2 bytes each
+WORKING_BYTES = 4
 #: share of GPU memory kept free for the CUDA context, NCCL buffers and allocator fragmentation
 MEMORY_RESERVE = 0.10
 CAP_ALIGN = 256  # dynamic-CP token cap rounded down to a multiple of this
@@ -56,10 +70,13 @@ class Layout:
     dynamic: bool = False
     min_cp: int = 1
     cap: int | None = None
+    vp: int = 1  # virtual pipeline (interleaved 1F1B) model chunks per stage
 
     @property
     def label(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"] if self.pp > 1 else [f"TP{self.tp}"]
+        if self.vp > 1:
+            parts.append(f"VP{self.vp}")
         if self.dynamic:  # CP x DP ranks share the dynamic groups: no separate DP size
             return " ".join(parts + [f"dynamic-CP{self.dp * self.cp} min{self.min_cp}"
                                      + (f" cap{self.cap}" if self.cap else "")])
@@ -151,39 +168,59 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
 
 
 # ------------------------------------------------------------------------------- memory
-def _activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
+def _activation_bytes_per_token(model: ModelSpec, tp: int, precision: str = "bf16") -> float:
     """Per layer and token, sequence parallel + selective recompute (Korthikanti et al. 2022,
     Sec. 4, generalised to GQA / gated MLP): norms 4h, QKV input 2h, Q/K/V 2q+4kv, attention
-    output 2q, FC1 input 2h, MLP 4f (gated: 6f), dropout masks 2h, softmax stats 4 nq; / tp."""
+    output 2q, FC1 input 2h, MLP 4f (gated: 6f), dropout masks 2h, softmax stats 4 nq; / tp.
+    FP8 (Transformer Engine) saves the inputs of the four linear layers quantized, 1 byte per
+    element: QKV input h, attention output q, FC1 input h, FC2 input f (Q/K/V, the norms and
+    the MLP activation's input stay BF16: attention and the element-wise ops run in BF16)."""
     w = model.workload()
-    h, q, kv = model.hidden_size, w.query_width, model.kv_heads * w.head_dim
-    mlp = (6 if model.gated_mlp else 4) * model.ffn
-    return (4 * h + 2 * h + 2 * q + 4 * kv + 2 * q + 2 * h + mlp + 2 * h
-            + 4 * model.num_attention_heads) / tp
+    h, q, kv, f = model.hidden_size, w.query_width, model.kv_heads * w.head_dim, model.ffn
+    mlp = (6 if model.gated_mlp else 4) * f
+    total = (4 * h + 2 * h + 2 * q + 4 * kv + 2 * q + 2 * h + mlp + 2 * h
+             + 4 * model.num_attention_heads)
+    if precision == "fp8":
+        total -= h + q + h + f
+    return total / tp
+
+
+def stage_layers(model: ModelSpec, pp: int) -> int:
+    """Transformer layers on the fullest pipeline stage (an uneven split puts the remainder
+    on some stages; the fullest one sets the pace)."""
+    return -(-model.num_layers // pp)
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int,
                    recompute: str, options: Options, cluster: Cluster) -> dict[str, float]:
     """Bytes on the fuller of the first and last pipeline stage (``tokens`` per rank and
-    micro-batch, ``in_flight`` micro-batches held by the first stage)."""
+    micro-batch, ``in_flight`` micro-batches held by the first stage; the interleaved schedule
+    holds ``1 + (p-1)/(p vp)`` times that, Korthikanti et al. 2022, Sec. 4.2.3)."""
     tp, pp = layout.tp, layout.pp
-    layers = model.num_layers // pp
+    layers = stage_layers(model, pp)
     embed = model.vocab_size * model.hidden_size
-    first = layers * model.params_per_layer() + embed
-    last = layers * model.params_per_layer() + (embed if (model.untie_embeddings or pp > 1)
-                                                else 0)
+    layer_params = layers * model.params_per_layer()
+    first = layer_params + embed
+    last = layer_params + (embed if (model.untie_embeddings or pp > 1) else 0)
     if pp == 1:
         first = last = model.params()
     d = layout.dp * layout.cp
-    per_param = WEIGHT_GRAD_BYTES + (OPTIMIZER_BYTES / d if options.distributed_optimizer
-                                     else OPTIMIZER_BYTES)
-    selective = _activation_bytes_per_token(model, tp)
+    weight_grad = WEIGHT_GRAD_BYTES - (2 if options.grad_reduce_in_bf16 else 0)
+    per_param = weight_grad + (OPTIMIZER_BYTES / d if options.distributed_optimizer
+                               else OPTIMIZER_BYTES)
+    gathered = 0.0
+    if options.fsdp:  # everything sharded, plus the gathered weights of two layers
+        per_param = (weight_grad + OPTIMIZER_BYTES) / d
+        gathered = FSDP_GATHERED_LAYERS * 2 * model.params_per_layer() / tp
+    selective = _activation_bytes_per_token(model, tp, options.precision)
+    working = WORKING_BYTES * model.hidden_size * tokens
     if recompute == "full":  # layer inputs only, plus one layer being recomputed
         per_mb = (layers * 2 * model.hidden_size / tp) * tokens
-        working = selective * tokens
+        working += selective * tokens
     else:
         per_mb = layers * selective * tokens
-        working = 0.0
+    if pp > 1 and layout.vp > 1:
+        in_flight = in_flight * (1 + (pp - 1) / (pp * layout.vp))
     w = model.workload()
     kv_local = model.kv_heads / tp * w.head_dim * cluster.bytes_per_element
     if layout.cp_comm_type == "all_gather":
@@ -192,11 +229,11 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int
         working += 2 * 2 * tokens * kv_local  # K/V chunk in flight and the one being used
     logits = LOGIT_BYTES * tokens * model.vocab_size / tp
     stages = [  # (weights + optimizer, activations, logits) of the first and the last stage
-        (first / tp * per_param, per_mb * in_flight + working, 0.0),
-        (last / tp * per_param, per_mb + working, logits),
+        (first / tp * per_param + gathered, per_mb * in_flight + working, 0.0),
+        (last / tp * per_param + gathered, per_mb + working, logits),
     ]
     if pp == 1:
-        stages = [(first / tp * per_param, per_mb * in_flight + working, logits)]
+        stages = [(first / tp * per_param + gathered, per_mb * in_flight + working, logits)]
     weights, acts, out = max(stages, key=sum)
     return {"weights_optimizer": weights, "activations": acts, "logits": out,
             "total": weights + acts + out}
@@ -222,24 +259,41 @@ class _Costs:
         self._cache: dict = {}
 
     def sequence(self, length: int, group: tuple[int, ...] | None = None
-                 ) -> tuple[float, float]:
-        """(compute, exposed CP) seconds of one sequence on ``group`` (default: the CP group)."""
+                 ) -> tuple[float, float, float]:
+        """(GEMM, attention, exposed CP) seconds of one sequence on ``group`` (default: the CP
+        group); full recompute adds one forward (x 4/3) to the layers' GEMMs and attention."""
         key = (length, group)
         if key not in self._cache:
             w, t = self.workload, self.layout.tp
             ranks = group if group is not None else self.cp_ranks
             c = len(ranks)
-            layer_flops = w.cost(length, c) / t
             full = self.recompute == "full"
-            flops = layer_flops * (4 / 3 if full else 1.0)
-            flops += length / c * w.logits_flops_per_token(self.model.vocab_size) / t
-            compute = flops / self.cluster.flops_per_second
+            again = 4 / 3 if full else 1.0
+            linear = length * w.linear_flops_per_token() / (c * t) * again
+            logits = length / c * w.logits_flops_per_token(self.model.vocab_size) / t
+            gemm = (linear + logits) / self.cluster.flops_per_second
+            attention = w.attention_flops(length) / (c * t) * again / self.cluster.attention_rate
             comm = cp_layer_seconds(w, self.cluster, length, t, self.layout.cp_comm_type or "p2p",
                                     ranks, self.a2a_ranks, self.p2p_ranks) if c > 1 else \
                 LayerComm()
             cp = w.num_layers * ((2 if full else 1) * comm.forward + comm.backward)
-            self._cache[key] = (compute, cp)
+            self._cache[key] = (gemm, attention, cp)
         return self._cache[key]
+
+    def compute(self, gemm: float, attention: float) -> float:
+        """Compute seconds of one micro-batch: its GEMMs no faster than streaming the weights
+        once per GEMM pass from HBM (roofline: forward and data-gradient reads at the GEMM
+        precision, the fp32 main-gradient update of the weight gradient, one more forward read
+        with full recompute), plus its attention."""
+        hbm = self.cluster.memory_bytes_per_second
+        if not hbm:
+            return gemm + attention
+        b = 1 if self.options.precision == "fp8" else 2
+        main_grad = MAIN_GRAD_BYTES // (2 if self.options.grad_reduce_in_bf16 else 1)
+        per_param = (3 if self.recompute == "full" else 2) * b + main_grad
+        params = (self.model.num_layers * self.model.params_per_layer()
+                  + self.model.vocab_size * self.model.hidden_size) / self.layout.tp
+        return max(gemm, params * per_param / hbm) + attention
 
     def tp_seconds(self, tokens_per_rank: float, compute: float) -> float:
         w, t = self.workload, self.layout.tp
@@ -247,7 +301,8 @@ class _Costs:
         if self.options.tp_comm_overlap:
             overlap = compute / 3 / w.num_layers  # forward compute of one layer
         comm = tp_layer_seconds(self.cluster, tokens_per_rank, self.model.hidden_size,
-                                self.tp_ranks if t > 1 else (), overlap)
+                                self.tp_ranks if t > 1 else (), overlap,
+                                1 if self.options.precision == "fp8" else None)
         return w.num_layers * ((2 if self.recompute == "full" else 1) * comm.forward
                                + comm.backward)
 
@@ -269,15 +324,16 @@ def _pack(lengths: list[int], capacity: int, unit: int) -> list[list[int]]:
     return bins
 
 
-def _step(micro: list[list[tuple[float, float, float]]], pp: int, xfer: float
-          ) -> tuple[float, dict[str, float], int]:
-    """micro[r] = (compute, cp, tp) per micro-batch of replica r -> slowest replica's step."""
+def _step(micro: list[list[tuple[float, float, float]]], pp: int, xfer: float, share: float,
+          vp: int = 1) -> tuple[float, dict[str, float], int]:
+    """micro[r] = (compute, cp, tp) per micro-batch of replica r (whole model) -> slowest
+    replica's step; ``share`` of each on the fullest of the ``pp`` stages."""
     best = None
     for mbs in micro:
         if not mbs:
             continue
-        compute, cp, tp = (sum(m[i] for m in mbs) / pp for i in range(3))
-        bubble = pipeline_bubble_seconds([sum(m) for m in mbs], pp, xfer)
+        compute, cp, tp = (sum(m[i] for m in mbs) * share for i in range(3))
+        bubble = pipeline_bubble_seconds([sum(m) for m in mbs], pp, xfer, vp, share)
         step = compute + cp + tp + bubble
         if best is None or step > best[0]:
             best = (step, {"compute": compute, "cp": cp, "tp": tp, "pp_bubble": bubble},
@@ -349,13 +405,14 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             worst = (0.0, 0.0, 0.0)
             for g in mb.groups:
                 ranks = tuple(dp_cp[i] for i in g.ranks)
-                comp = cpt = 0.0
+                gemm = attn = cpt = 0.0
                 tokens = 0
                 for s in g.samples:
-                    a, b = costs.sequence(lengths[s], ranks)
-                    comp, cpt = comp + a, cpt + b
+                    x, y, z = costs.sequence(lengths[s], ranks)
+                    gemm, attn, cpt = gemm + x, attn + y, cpt + z
                     tokens += tokens_per_rank(lengths[s], len(ranks))
                     sizes[len(ranks)] = sizes.get(len(ranks), 0) + 1
+                comp = costs.compute(gemm, attn) if g.samples else 0.0
                 tpt = costs.tp_seconds(tokens, comp)
                 if comp + cpt + tpt > sum(worst):
                     worst = (comp, cpt, tpt)
@@ -371,8 +428,8 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             bins = _pack(lengths, layout.seq_length, 2 * c)
         mbs = []
         for b in bins:
-            comp = sum(costs.sequence(x)[0] for x in b)
-            cpt = sum(costs.sequence(x)[1] for x in b)
+            gemm, attn, cpt = (sum(costs.sequence(x)[i] for x in b) for i in range(3))
+            comp = costs.compute(gemm, attn)
             tokens = sum(tokens_per_rank(x, c) for x in b)
             mbs.append((comp, cpt, costs.tp_seconds(tokens, comp)))
         replicas = [[] for _ in range(layout.dp)]  # longest first to the least-loaded replica
@@ -384,12 +441,21 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
         tokens_mb = layout.seq_length // c
     pp_bytes = tokens_mb * model.hidden_size / layout.tp * cluster.bytes_per_element
     xfer = p2p_seconds(cluster, pp_bytes, grid.groups["pp"][0]) if layout.pp > 1 else 0.0
-    step, parts, m = _step(replicas, layout.pp, xfer)
+    share = stage_layers(model, layout.pp) / model.num_layers
+    step, parts, m = _step(replicas, layout.pp, xfer, share, layout.vp)
     # --overlap-grad-reduce: the gradient reduction runs beside the last micro-batch's backward
-    window = min(x[0] for r in replicas for x in r) * 2 / 3 / layout.pp
-    parts["dp"] = dp_gradient_seconds(cluster, model.params() / layout.pp / layout.tp,
-                                      grid.groups["dp_cp"][0], options.distributed_optimizer,
-                                      window)
+    window = min(x[0] for r in replicas for x in r) * 2 / 3 * share
+    params_per_rank = model.params() / layout.pp / layout.tp
+    dp_cp = grid.groups["dp_cp"][0]
+    sizes = {"grad_bytes": 2 if options.grad_reduce_in_bf16 else 4,  # fp8: FP8 param gather
+             "param_bytes": 1 if options.precision == "fp8" else 2}
+    if options.fsdp:  # every micro-batch of the slowest replica, beside its own compute
+        slowest = max((r for r in replicas if r), key=lambda r: sum(map(sum, r)))
+        parts["dp"] = fsdp_seconds(cluster, params_per_rank, dp_cp,
+                                   [x[0] * share for x in slowest], **sizes)
+    else:
+        parts["dp"] = dp_gradient_seconds(cluster, params_per_rank, dp_cp,
+                                          options.distributed_optimizer, window, **sizes)
     step += parts["dp"]
     mem = memory_per_gpu(model, layout, tokens_mb, min(layout.pp, m), recompute, options,
                          cluster)

@@ -140,7 +140,10 @@ class Options:
     """Training choices the estimate depends on (defaults: what Bridge's recipes use)."""
 
     recompute: str = "auto"  # selective | full | auto (selective when it fits, else full)
+    precision: str = "bf16"  # bf16 | fp8 (Transformer Engine FP8 linear layers)
     distributed_optimizer: bool = True
+    fsdp: bool = False  # Megatron-FSDP (optim_grads_params): weights and grads sharded too
+    grad_reduce_in_bf16: bool = False  # bf16 main grads (megatron: fp32 with --bf16)
     tp_comm_overlap: bool = False
     te_version: str = "2.8"
     tie_tolerance: float = 0.02
@@ -150,6 +153,11 @@ class Options:
     def __post_init__(self) -> None:
         if self.recompute not in ("auto", "selective", "full"):
             raise PlanInputError(f"--recompute {self.recompute!r}: use auto, selective or full")
+        if self.precision not in ("bf16", "fp8"):
+            raise PlanInputError(f"--precision {self.precision!r}: use bf16 or fp8")
+        if self.fsdp and not self.distributed_optimizer:
+            raise PlanInputError("--fsdp shards the optimizer itself; drop "
+                                 "--no-distributed-optimizer")
         if not 0 <= self.tie_tolerance < 1:
             raise PlanInputError(f"--tie-tolerance {self.tie_tolerance} must be in [0, 1)")
 

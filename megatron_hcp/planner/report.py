@@ -153,7 +153,8 @@ def _batch_flags(lay: Layout, global_batch: int) -> list[str]:
 
 
 def megatron_flags(e: Estimate, global_batch: int, distributed_optimizer: bool,
-                   tp_comm_overlap: bool) -> list[str]:
+                   tp_comm_overlap: bool, precision: str = "bf16", fsdp: bool = False,
+                   grad_reduce_in_bf16: bool = False) -> list[str]:
     lay = e.layout
     flags = ["--tensor-model-parallel-size", str(lay.tp),
              "--pipeline-model-parallel-size", str(lay.pp),
@@ -170,9 +171,18 @@ def megatron_flags(e: Estimate, global_batch: int, distributed_optimizer: bool,
         flags.append("--sequence-parallel")
         if tp_comm_overlap:
             flags.append("--tp-comm-overlap")
-    if distributed_optimizer:
+    if fsdp:  # the Megatron-FSDP README's required flags
+        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                  "optim_grads_params", "--no-gradient-accumulation-fusion",
+                  "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+                  "--overlap-param-gather"]
+    elif distributed_optimizer:
         flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
     flags.append("--overlap-grad-reduce")
+    if precision == "fp8":  # Bridge's FP8-CS recipe: per-tensor current scaling, FP8 params
+        flags += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
+    if grad_reduce_in_bf16:
+        flags.append("--grad-reduce-in-bf16")
     if e.recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
@@ -182,7 +192,8 @@ def megatron_flags(e: Estimate, global_batch: int, distributed_optimizer: bool,
 
 
 def bridge_overrides(e: Estimate, global_batch: int, distributed_optimizer: bool,
-                     tp_comm_overlap: bool) -> list[str]:
+                     tp_comm_overlap: bool, precision: str = "bf16", fsdp: bool = False,
+                     grad_reduce_in_bf16: bool = False) -> list[str]:
     lay = e.layout
     out = [f"model.tensor_model_parallel_size={lay.tp}",
            f"model.pipeline_model_parallel_size={lay.pp}",
@@ -204,6 +215,14 @@ def bridge_overrides(e: Estimate, global_batch: int, distributed_optimizer: bool
         out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
     if tp_comm_overlap and lay.tp > 1:
         out.append("comm_overlap.tp_comm_overlap=True")
+    if precision == "fp8":  # the fields of Bridge's bf16_with_fp8_current_scaling_mixed
+        out += ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise",
+                "mixed_precision.fp8_param_gather=True"]
+    if grad_reduce_in_bf16:
+        out += ["mixed_precision.grad_reduce_in_fp32=False", "ddp.grad_reduce_in_fp32=False"]
+    if fsdp:
+        out += ["ddp.use_megatron_fsdp=True",
+                "ddp.data_parallel_sharding_strategy=optim_grads_params"]
     out += [f"ddp.use_distributed_optimizer={distributed_optimizer}",
             f"optimizer.use_distributed_optimizer={distributed_optimizer}",
             "ddp.overlap_grad_reduce=True",

@@ -295,18 +295,21 @@ def test_memory_terms_by_hand():
                          cluster)
     assert mem["total"] == pytest.approx(mha.params() / 2 * 18)
     # PP2, 1000 tokens per rank, 1F1B: the first stage holds 2 micro-batches, the last one plus
-    # the logits (6 bytes per token and vocabulary entry / TP); untied: V*h on both stages
+    # the logits (6 bytes per token and vocabulary entry / TP); untied: V*h on both stages;
+    # both hold the layer's working buffers (gathered input + input gradient, 4 bytes per token
+    # and hidden unit, not divided by TP)
     lay = Layout(tp=2, cp=1, pp=2, dp=4, seq_length=1000)
     per_param = 6 + 12 / 4
     stage = (2 * mha.params_per_layer() + 1000 * 2048) / 2 * per_param
     act = 2 * _activation_bytes_per_token(mha, 2) * 1000
-    first, last = stage + 2 * act, stage + act + 6 * 1000 * 1000 / 2
+    working = 4 * 2048 * 1000
+    first, last = stage + 2 * act + working, stage + act + working + 6 * 1000 * 1000 / 2
     mem = memory_per_gpu(mha, lay, 1000, 2, "selective", Options(), cluster)
     assert mem["total"] == pytest.approx(max(first, last))
     full = memory_per_gpu(mha, lay, 1000, 2, "full", Options(), cluster)
     assert full["total"] == pytest.approx(max(
-        stage + 2 * 2 * (2 * 2048 / 2) * 1000 + act / 2,
-        stage + 2 * (2 * 2048 / 2) * 1000 + act / 2 + 6 * 1000 * 1000 / 2))
+        stage + 2 * 2 * (2 * 2048 / 2) * 1000 + act / 2 + working,
+        stage + 2 * (2 * 2048 / 2) * 1000 + act / 2 + working + 6 * 1000 * 1000 / 2))
 
 
 def test_cli_plot_writes_png(tmp_path, capsys):
