@@ -29,13 +29,18 @@ __all__ = ["LocalWorld", "RankError"]
 _PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
 
 
+# kinds of rank errors that follow another rank's failure (waited, died, released by a world
+# that stopped its collectives): the error message shows a real one first
+_SECONDARY = ("Timeout", "ProcessDied", "ThreadDied", "Released")
+
+
 class RankError(RuntimeError):
     """A function failed on one or more ranks; ``errors`` maps rank -> (type name, traceback)."""
 
     def __init__(self, errors: dict[int, tuple[str, str]]):
         self.errors = errors
         # a real traceback explains more than the time-outs of the ranks that waited for it
-        real = [r for r, (kind, _) in errors.items() if kind not in ("Timeout", "ProcessDied")]
+        real = [r for r, (kind, _) in errors.items() if kind not in _SECONDARY]
         first = min(real or errors)
         super().__init__(
             f"failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}"
