@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_hcp.attention.reference import BlockCounter, local_attention, pad_thd
+from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank_block_pass
 from megatron_hcp.attention.reference.kernels import (
     CPU_FLASH,
     CUDA_EFFICIENT,
@@ -112,3 +113,49 @@ def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
     q = torch.randn(1, 2, 8, 8)
     assert not _torch_accepts(CUDA_FLASH, q, q, q, True)
     assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_block_replay_does_the_work_of_cp_attention(cp):
+    """The speed benchmark's replay (every rank's blocks, no communication) computes the
+    oracle's output and gradients: what it times is the whole attention, once."""
+    gen = torch.Generator().manual_seed(cp)
+    q, dout = (torch.randn(2, 4, 16, 8, generator=gen, dtype=F64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=F64) for _ in range(2))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True,
+                                                           enable_gqa=True)
+    ref.backward(dout)
+    outs, dqs = [], []
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(cp):
+        out, dq, *rest = rank_block_pass(q, k, v, dout, cp, rank)
+        outs.append(out)
+        dqs.append(dq)
+        c = k.shape[2] // (2 * cp)
+        for src in range(cp):  # each source's K/V gradient, back to its global positions
+            gk, gv = rest[src], rest[cp + src]
+            for half, chunk in enumerate((src, 2 * cp - 1 - src)):
+                dk[:, :, chunk * c:(chunk + 1) * c] += gk[:, :, half * c:(half + 1) * c]
+                dv[:, :, chunk * c:(chunk + 1) * c] += gv[:, :, half * c:(half + 1) * c]
+
+    def assemble(parts):
+        c = q.shape[2] // (2 * cp)
+        full = torch.zeros_like(q)
+        for rank, part in enumerate(parts):
+            full[:, :, rank * c:(rank + 1) * c] = part[:, :, :c]
+            full[:, :, (2 * cp - 1 - rank) * c:(2 * cp - rank) * c] = part[:, :, c:]
+        return full
+
+    for got, want in ((assemble(outs), ref), (assemble(dqs), ref_in[0].grad),
+                      (dk, ref_in[1].grad), (dv, ref_in[2].grad)):
+        assert (got - want).abs().max().item() <= 1e-10
+
+
+def test_block_cost_reports_kernels_and_times():
+    cost = measure_block_cost(seq=64, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32,
+                              device="cpu", repeats=1)
+    assert cost.kernels == {(CPU_FLASH, ""): 16} and cost.blocks_per_rank == 4
+    assert cost.blocks_s > 0 and cost.sdpa_s > 0 and cost.ratio == cost.blocks_s / cost.sdpa_s
+    with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):
+        measure_block_cost(seq=60, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32, device="cpu")
