@@ -46,7 +46,7 @@ def cp_groups(cp: int, hcp: tuple[int, int] | None):
     _GROUPS = _RANK_STATE.groups
     if key not in _GROUPS:
         rank = dist.get_rank()
-        flat = [list(range(s, s + cp)) for s in range(0, WORLD, cp)]
+        flat = [list(range(s, s + cp)) for s in range(0, dist.get_world_size(), cp)]
         index = next(i for i, g in enumerate(flat) if rank in g)
         if hcp is None:
             levels = [flat]
@@ -143,12 +143,12 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
         "dv": (local[2].grad - shard(ref_in[2].grad)).abs().max().item(),
     }
     if sink == "learnable":  # each rank's part covers its rows (and heads): sum over CP
-        assert cp == WORLD
+        assert cp == dist.get_world_size()
         grad = offset.grad.clone()
         dist.all_reduce(grad)
         errors["dsink"] = (grad - ref_offset.grad).abs().max().item()
     if bias is not None:  # each rank's part covers its rows: sum over CP
-        assert cp == WORLD
+        assert cp == dist.get_world_size()
         grad = attn_bias.grad.clone()
         dist.all_reduce(grad)
         errors["dbias"] = (grad - ref_bias.grad).abs().max().item()
@@ -226,7 +226,9 @@ def bias_cases():
 
 
 def all_oracle_cases():
-    """Every case of the tests below, by name (the cases need a world of ``WORLD`` ranks)."""
+    """Every case of the tests below, by name (the cases need a world of ``WORLD`` ranks; a
+    case runs in a smaller world when its CP size divides it and, with a learnable offset or
+    a bias, equals it: see :func:`runnable_in`)."""
     named = {}
     for comm in COMMS:
         for fmt in FORMATS:
@@ -236,6 +238,16 @@ def all_oracle_cases():
         named[f"offset/{comm}"] = offset_cases(comm)
     named["bias/p2p"] = bias_cases()
     return named
+
+
+def runnable_in(cases, world_size):
+    """The cases a world of ``world_size`` ranks can run: CP sizes dividing the world, and
+    equal to it where a gradient is summed over the world (learnable offset, bias)."""
+    def fits(case):
+        learnable = len(case) > 9 and case[9] == "learnable"
+        cp, summed = case[4], learnable or (len(case) > 10 and case[10] is not None)
+        return world_size % cp == 0 and cp <= world_size and (not summed or cp == world_size)
+    return [case for case in cases if fits(case)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -9,7 +9,13 @@ import torch.distributed as dist
 
 from megatron_hcp.local_world import RankError
 from megatron_hcp.threaded_world import ThreadedWorld, ThreadedWorldError
-from tests.unit.test_cp_attention import WORLD, all_oracle_cases, failures_of, run_cases
+from tests.unit.test_cp_attention import (
+    WORLD,
+    all_oracle_cases,
+    failures_of,
+    run_cases,
+    runnable_in,
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +99,14 @@ def test_bad_arguments_are_named():
         ThreadedWorld(0)
     with pytest.raises(ThreadedWorldError, match="device='mps'"):
         ThreadedWorld(2, device="mps")
+
+
+def test_oracle_cases_of_a_two_rank_world(threads):
+    """The subset a 2-rank world runs (the 2-GPU NCCL suite's cases), on 2 rank threads."""
+    threads.close()  # one threaded world per process
+    named = all_oracle_cases()
+    cases = [c for name in sorted(named) for c in runnable_in(named[name], 2)]
+    assert cases and {c[4] for c in cases} == {2}
+    assert not runnable_in(named["offset/p2p"], 2)  # learnable offsets: CP 4 = the world only
+    with ThreadedWorld(2) as pair:
+        assert not (bad := failures_of(cases, pair.run(run_cases, cases, "cpu"))), bad[:8]
