@@ -60,16 +60,16 @@ def test_cuda_path_against_the_oracle(gpu_threads, report, name):
     assert not (bad := failures_of(cases, per_rank)), bad[:8]
 
 
-def kernels_and_errors(comm: str, dtype: torch.dtype):
-    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64) in ``dtype`` on CUDA, the
-    kernels its blocks took, and its error and one SDPA call's error against the fp64
-    oracle (output and gradients)."""
+def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda"):
+    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64) in ``dtype`` on
+    ``device``, the kernels its blocks took, and its error and one SDPA call's error against
+    the fp64 oracle (output and gradients)."""
     group, _ = cp_groups(4, (2, 2) if comm == "a2a+p2p" else None)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(11)
     q, dout = (torch.randn(2, 256, 4, 64, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, 256, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
-    q, k, v, dout = (x.cuda() for x in (q, k, v, dout))
+    q, k, v, dout = (x.to(device) for x in (q, k, v, dout))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = full_attention(*ref_in, causal=True, qkv_format="bshd")
     ref.backward(dout)

@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_hcp.attention.reference.kernels import CPU_FLASH
 from megatron_hcp.local_world import RankError
 from megatron_hcp.threaded_world import ThreadedWorld, ThreadedWorldError
+from tests.gpu.test_one_gpu_attention import kernels_and_errors
 from tests.unit.test_cp_attention import (
+    COMMS,
     WORLD,
     all_oracle_cases,
     failures_of,
@@ -110,3 +113,12 @@ def test_oracle_cases_of_a_two_rank_world(threads):
     assert not runnable_in(named["offset/p2p"], 2)  # learnable offsets: CP 4 = the world only
     with ThreadedWorld(2) as pair:
         assert not (bad := failures_of(cases, pair.run(run_cases, cases, "cpu"))), bad[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_the_gpu_suites_kernel_check_on_cpu(threads, comm):
+    """tests/gpu's fused-kernel check, run here on CPU tensors: the dense blocks take the CPU
+    flash kernel and CP attention is as accurate as one SDPA call (fp32)."""
+    results = threads.run(kernels_and_errors, comm, torch.float32, "cpu")
+    assert {k for kernels, _, _ in results for (k, _why) in kernels} == {CPU_FLASH}
+    assert max(e for _, e, _ in results) <= 2 * max(e for _, _, e in results) + 1e-3
