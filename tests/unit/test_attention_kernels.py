@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_hcp.attention.reference import BlockCounter, local_attention, pad_thd
+from megatron_hcp.attention.reference import BlockCounter, full_attention, local_attention, pad_thd
 from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank_block_pass
 from megatron_hcp.attention.reference.kernels import (
     CPU_FLASH,
@@ -159,3 +159,13 @@ def test_block_cost_reports_kernels_and_times():
     assert cost.blocks_s > 0 and cost.sdpa_s > 0 and cost.ratio == cost.blocks_s / cost.sdpa_s
     with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):
         measure_block_cost(seq=60, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32, device="cpu")
+
+
+def test_the_oracle_follows_its_inputs_device():
+    """full_attention builds its masks on q's device (CUDA in tests/gpu); the meta device shows
+    it without a GPU (a CPU-built mask is refused there)."""
+    q = torch.empty(2, 16, 4, 8, device="meta")
+    k = torch.empty(2, 16, 2, 8, device="meta")
+    for kwargs in ({}, {"window_size": (3, 0)}, {"causal": False}):
+        out = full_attention(q, k, k, qkv_format="bshd", **kwargs)
+        assert out.device.type == "meta" and out.shape == q.shape
