@@ -21,7 +21,7 @@ replayed one rank after the other on the GPU without communication, summed over 
 against one ``scaled_dot_product_attention`` forward + backward on the whole sequence (torch's
 flash kernel for bf16/fp16, its efficient kernel for fp32); goal <= 1.15x. It also prints which
 kernel the blocks took (``cuda_flash`` / ``cuda_efficient``, or ``math`` with the reason).
-``.venv/bin/python benchmarks/attention.py --device cuda [--seq 16384 --heads 16 --dim 128
+``.venv/bin/python benchmarks/attention.py --device cuda [--seq 32768 --heads 16 --dim 128
 --dtype bf16 --cp 2 4 8]``
 """
 
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: gloo ranks (bytes, balance, inflation); cuda: per-block "
                         "compute on one GPU against one SDPA call")
-    parser.add_argument("--seq", type=int, default=None, help="default 4096 (cpu), 16384 (cuda)")
+    parser.add_argument("--seq", type=int, default=None, help="default 4096 (cpu), 32768 (cuda)")
     parser.add_argument("--heads", type=int, default=None, help="default 8 (cpu), 16 (cuda)")
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--dim", type=int, default=None, help="default 64 (cpu), 128 (cuda)")
@@ -209,7 +209,7 @@ def main() -> None:
                         help="sliding window (LEFT, 0): blocks outside it are skipped (cpu)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
-    s = args.seq or (16384 if gpu else 4096)
+    s = args.seq or (32768 if gpu else 4096)
     h = args.heads or (16 if gpu else 8)
     hkv = args.kv_heads or h
     d = args.dim or (128 if gpu else 64)

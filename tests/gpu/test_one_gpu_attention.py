@@ -115,7 +115,7 @@ def test_blocks_take_the_fused_kernels(gpu_threads, report, comm, dtype):
 def test_block_speed_against_one_sdpa_call(report):
     """benchmarks/attention.py --device cuda's figure: every rank's blocks (forward +
     backward, summed over the ranks) against one flash SDPA call on the same causal work."""
-    costs = [measure_block_cost(seq=16384, heads=16, kv_heads=16, dim=128, cp=cp,
+    costs = [measure_block_cost(seq=32768, heads=16, kv_heads=16, dim=128, cp=cp,
                                 dtype=torch.bfloat16, device="cuda", repeats=3)
              for cp in (2, 4, 8)]
     report(1, "; ".join(f"CP{c.cp} {c.ratio:.2f}x" for c in costs)

@@ -31,7 +31,12 @@ def no_gpu_env(**extra: str) -> dict[str, str]:
             "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""), **extra}
 
 
+def gpu_goldens() -> set[Path]:
+    return set(ROOT.glob("tests/functional/test_cases/*/golden_values_dev_gpu_nccl.json"))
+
+
 def test_gpu_check_without_gpus_skips_every_check_with_its_reason(tmp_path):
+    goldens = {path: path.stat().st_mtime_ns for path in gpu_goldens()}
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_check.sh"), "--benchmark", "--record-golden"],
         env=no_gpu_env(PYTHON=sys.executable, GPU_CHECK_OUT=str(tmp_path)),
@@ -63,7 +68,7 @@ def test_gpu_check_without_gpus_skips_every_check_with_its_reason(tmp_path):
     assert not re.search(r"\| passed", table)
     assert "skipped: needs 1 CUDA GPU; none here" in out.split("--device cuda")[-1]
     assert "recorded golden_values_dev_gpu_nccl.json for 0 recipe(s)" in out
-    assert not list(ROOT.glob("tests/functional/test_cases/*/golden_values_dev_gpu_nccl.json"))
+    assert {path: path.stat().st_mtime_ns for path in gpu_goldens()} == goldens  # none written
 
 
 def test_gpu_check_refuses_an_environment_without_torch(tmp_path):

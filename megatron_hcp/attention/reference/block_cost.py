@@ -7,8 +7,9 @@ and ``n-1`` unmasked blocks on half of the queries or half of the keys. The repl
 those blocks through the backend's kernels (:func:`~.kernels.block_forward`, the LSE merge,
 :func:`~.kernels.block_backward` with the final output and LSE), for every rank one after the
 other, so the sum over ranks is the compute the CP backend spends on the problem. The baseline
-is one SDPA forward + backward on the whole sequence (causal, the same dtype; torch picks its
-flash / efficient kernel). ``ratio`` = replay / baseline; the issue's goal is <= 1.15.
+is one SDPA forward + backward on the whole sequence (causal, the same dtype; torch's flash
+kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio`` = replay /
+baseline; the issue's goal is <= 1.15.
 
 Dense (``bshd``/``sbhd``) layouts only: packed ``thd`` blocks and windows take the math path
 (:mod:`.kernels`), which this replay would only show as slow.
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .blocks import BlockCounter, plan_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
@@ -124,10 +126,11 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
         for rank in range(cp):
             rank_block_pass(q, k, v, dout, cp, rank, causal=causal)
 
-    def sdpa():
+    def sdpa():  # torch's flash kernel (its efficient one where flash cannot run, e.g. fp32)
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qq, kk, vv, is_causal=causal, enable_gqa=kv_heads != heads)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=causal, enable_gqa=kv_heads != heads)
         out.backward(dout)
 
     with torch.no_grad():
