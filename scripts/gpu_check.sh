@@ -54,8 +54,9 @@ echo "== GPU suite: pytest -m gpu tests/gpu"
 status=0
 "$py" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu_check.xml" \
   ${pytest_args[@]+"${pytest_args[@]}"} || status=$?
-if [ "$status" -ne 0 ] && [ "$status" -ne 1 ]; then  # 1: some check failed (the table says which)
-  echo "gpu_check: pytest exited with $status before finishing the suite" >&2
+if { [ "$status" -ne 0 ] && [ "$status" -ne 1 ]; } || [ ! -s "$out/gpu_check.xml" ]; then
+  # 1: some check failed (the table says which); anything else: the suite did not finish
+  echo "gpu_check: pytest exited with $status before finishing the suite (no results)" >&2
   exit 2
 fi
 

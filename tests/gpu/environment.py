@@ -2,7 +2,8 @@
 Transformer Engine and which megatron_hcp. Installs nothing.
 
 ``python -m tests.gpu.environment`` prints one line each and ``gpus=<n>`` last; exits 2 when
-torch or megatron-core does not import here (then the check cannot run in this environment).
+torch, megatron-core or pytest does not import here (then the check cannot run in this
+environment; the test extras of this package bring pytest: ``pip install -e .[test]``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _nvidia_smi() -> str:
 
 
 def describe() -> tuple[list[str], int]:
-    """(lines, GPUs torch sees); raises ImportError when torch or megatron-core is missing."""
+    """(lines, GPUs torch sees); raises ImportError when torch, megatron-core or pytest is
+    missing."""
     lines = [f"python: {sys.executable} ({sys.version.split()[0]})"]
     import torch
 
@@ -59,6 +61,9 @@ def describe() -> tuple[list[str], int]:
     import megatron_hcp
 
     lines.append(f"megatron-hcp: {megatron_hcp.__path__[0]}")
+    import pytest
+
+    lines.append(f"pytest: {pytest.__version__}")
     return lines, gpus
 
 
@@ -67,7 +72,7 @@ def main() -> int:
         lines, gpus = describe()
     except ImportError as err:
         print(f"gpu_check: {err.name or err} does not import in {sys.executable}: {err}; run "
-              "from the environment that has torch and megatron-core (or set PYTHON=...)",
+              "from the environment that has torch, megatron-core and pytest (or set PYTHON=...)",
               file=sys.stderr)
         return 2
     print("\n".join(lines))

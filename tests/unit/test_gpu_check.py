@@ -45,7 +45,7 @@ def test_gpu_check_without_gpus_skips_every_check_with_its_reason(tmp_path):
     out = proc.stdout
     # what it runs with, installing nothing
     assert f"python: {sys.executable}" in out and f"torch: {torch.__version__}" in out
-    assert "megatron-core: " in out and "transformer-engine: " in out
+    assert "megatron-core: " in out and "transformer-engine: " in out and "pytest: " in out
     assert f"megatron-hcp: {ROOT / 'megatron_hcp'}" in out
     assert "no CUDA GPU here" in out
     checks = read_checks(tmp_path / "gpu_check.xml")
@@ -139,3 +139,14 @@ def test_nccl_world_needs_a_gpu_per_rank():
         LocalWorld(torch.cuda.device_count() + 1, backend="nccl").start()
     with pytest.raises(ValueError, match="backend='mpi'"):
         LocalWorld(2, backend="mpi")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+    (["--", "--no-such-pytest-flag"], "before finishing the suite"),
+])
+def test_gpu_check_refuses_what_it_cannot_run(tmp_path, args, message):
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), *args],
+                          env=no_gpu_env(PYTHON=sys.executable, GPU_CHECK_OUT=str(tmp_path)),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
