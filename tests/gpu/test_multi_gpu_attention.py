@@ -53,10 +53,12 @@ def test_comm_types_over_nccl_against_the_oracle(nccl_world, report, name):
     assert not (bad := failures_of(cases, per_rank)), bad[:8]
 
 
-def te_against_reference(comm: str, dtype: torch.dtype) -> dict:
+def te_against_reference(comm: str, dtype: torch.dtype, device: str = "cuda",
+                         backends: tuple[str, str] = ("te", "reference")) -> dict:
     """One rank: megatron's MPU groups with CP = the world, TEDotProductAttention (patched by
     te-attention-hcp) and ReferenceCPAttention built alike, the same sbhd shards in; the
-    largest |TE - reference| of the output and of dq, dk, dv, and the tolerance check."""
+    largest |TE - reference| of the output and of dq, dk, dv, and the tolerance check.
+    (``backends``/``device`` let the same code run twice-reference on CPU ranks.)"""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -67,7 +69,8 @@ def te_against_reference(comm: str, dtype: torch.dtype) -> dict:
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
     from megatron_hcp.patching import apply, by_name
 
-    apply(by_name(["te-attention-hcp"]))
+    if "te" in backends:
+        apply(by_name(["te-attention-hcp"]))
     cp = dist.get_world_size()
     hcp = [2, cp // 2] if comm == "a2a+p2p" else None
     heads, kv_heads, dim, seq, batch = 8, 4, 64, 512 * cp, 2
@@ -87,19 +90,19 @@ def te_against_reference(comm: str, dtype: torch.dtype) -> dict:
         dout = torch.randn(seq, batch, heads * dim, generator=gen)
         rank = dist.get_rank()
         results = {}
-        for name, cls in (("te", te_attention_class()), ("reference", ReferenceCPAttention)):
+        for label, backend in enumerate(backends):
+            cls = te_attention_class() if backend == "te" else ReferenceCPAttention
             module = cls(config, 1, AttnMaskType.causal, "self", cp_comm_type=comm)
-            local = [get_local_chunk(x, cp, rank, "sbhd").to("cuda", dtype).requires_grad_()
+            local = [get_local_chunk(x, cp, rank, "sbhd").to(device, dtype).requires_grad_()
                      for x in full]
             out = module(*local, None, AttnMaskType.causal)
-            out.backward(get_local_chunk(dout, cp, rank, "sbhd").to("cuda", dtype))
-            results[name] = [out.detach(), *(t.grad for t in local)]
+            out.backward(get_local_chunk(dout, cp, rank, "sbhd").to(device, dtype))
+            results[label] = [out.detach(), *(t.grad for t in local)]
         tols = TE_TOLS[dtype]
         diffs = {key: (a.float() - b.float()).abs().max().item()
-                 for key, a, b in zip(("out", "dq", "dk", "dv"), results["te"],
-                                      results["reference"])}
+                 for key, a, b in zip(("out", "dq", "dk", "dv"), results[0], results[1])}
         close = all(torch.allclose(a.float(), b.float(), **tols)
-                    for a, b in zip(results["te"], results["reference"]))
+                    for a, b in zip(results[0], results[1]))
         return {"diffs": diffs, "close": close}
     finally:
         destroy_model_parallel()
