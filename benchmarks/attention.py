@@ -14,6 +14,15 @@ For each comm type and CP size, on local gloo ranks (CPU, fp32, causal, batch 1)
 
 Run: ``.venv/bin/python benchmarks/attention.py [--seq 4096 --heads 8 --kv-heads 8 --dim 64]
 [--window 256]``
+
+``--device cuda`` (one GPU) measures instead the backend's compute per CP block
+(:mod:`megatron_hcp.attention.reference.block_cost`): every rank's blocks, forward + backward,
+replayed one rank after the other on the GPU without communication, summed over the ranks,
+against one ``scaled_dot_product_attention`` forward + backward on the whole sequence (torch's
+flash kernel for bf16/fp16, its efficient kernel for fp32); goal <= 1.15x. It also prints which
+kernel the blocks took (``cuda_flash`` / ``cuda_efficient``, or ``math`` with the reason).
+``.venv/bin/python benchmarks/attention.py --device cuda [--seq 32768 --heads 16 --dim 128
+--dtype bf16 --cp 2 4 8]``
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from megatron_hcp.attention.reference import (  # noqa: E402
     CommCounter,
     context_parallel_attention,
 )
+from megatron_hcp.attention.reference.block_cost import measure_block_cost  # noqa: E402
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
@@ -155,20 +165,62 @@ def baseline(s: int, h: int, hkv: int, d: int, repeats: int,
     return best
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+GOAL = 1.15  # CP blocks / one SDPA call, summed over the ranks' work (issue 27)
+
+
+def gpu_block_table(s: int, h: int, hkv: int, d: int, dtype: str, cps: list[int],
+                    repeats: int) -> list[str]:
+    """Lines of the --device cuda table (one GPU): per CP size, the blocks' time summed over
+    the ranks against one SDPA call, and the kernels the blocks took."""
+    name = torch.cuda.get_device_name(0)
+    lines = [f"{name}, torch {torch.__version__}, {dtype}, S={s} heads={h} kv_heads={hkv} "
+             f"d={d} causal, batch 1; forward + backward, best of {repeats}"]
+    header = (f"{'CP':>3} {'blocks/rank':>11} {'CP blocks ms':>13} {'SDPA ms':>9} "
+              f"{'ratio':>7} {'goal':>9}  kernels (forward calls)")
+    lines += [header, "-" * len(header)]
+    for cp in cps:
+        cost = measure_block_cost(seq=s, heads=h, kv_heads=hkv, dim=d, cp=cp,
+                                  dtype=DTYPES[dtype], device="cuda", repeats=repeats)
+        kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
+                            for (k, why), n in sorted(cost.kernels.items()))
+        lines.append(f"{cp:>3} {cost.blocks_per_rank:>11} {cost.blocks_s * 1e3:>13.2f} "
+                     f"{cost.sdpa_s * 1e3:>9.2f} {cost.ratio:>6.2f}x "
+                     f"{'met' if cost.ratio <= GOAL else 'missed':>9}  {kernels}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: gloo ranks (bytes, balance, inflation); cuda: per-block "
+                        "compute on one GPU against one SDPA call")
+    parser.add_argument("--seq", type=int, default=None, help="default 4096 (cpu), 32768 (cuda)")
+    parser.add_argument("--heads", type=int, default=None, help="default 8 (cpu), 16 (cuda)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--dim", type=int, default=None, help="default 64 (cpu), 128 (cuda)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="cuda only")
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8], help="cuda only")
     parser.add_argument("--repeats", type=int, default=2, help="best of N inside a trial")
     parser.add_argument("--trials", type=int, default=3,
                         help="independent trials (each with its own baseline); the table shows "
                         "the median inflation and its range")
     parser.add_argument("--window", type=int, default=None,
-                        help="sliding window (LEFT, 0): blocks outside it are skipped")
+                        help="sliding window (LEFT, 0): blocks outside it are skipped (cpu)")
     args = parser.parse_args()
-    s, h, hkv, d = args.seq, args.heads, args.kv_heads, args.dim
+    gpu = args.device == "cuda"
+    s = args.seq or (32768 if gpu else 4096)
+    h = args.heads or (16 if gpu else 8)
+    hkv = args.kv_heads or h
+    d = args.dim or (128 if gpu else 64)
+    if gpu:
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False here")
+        if args.window is not None:
+            parser.error("--window: the --device cuda block replay measures dense causal "
+                         "blocks only (windowed blocks take the math path)")
+        print("\n".join(gpu_block_table(s, h, hkv, d, args.dtype, args.cp, args.repeats)))
+        return
     window = None if args.window is None else (args.window, 0)
     print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank"
           + (f", window={window}" if window else ""))

@@ -1,4 +1,5 @@
-"""A reusable pool of local ranks joined in one torch.distributed gloo world on 127.0.0.1.
+"""A reusable pool of local ranks joined in one torch.distributed world on 127.0.0.1 (gloo, or
+NCCL with rank ``r`` on GPU ``r``).
 
 Starting a process and importing torch and megatron-core costs seconds per rank on a small
 machine, so the ranks are started once (forked from a forkserver that has already imported the
@@ -29,13 +30,18 @@ __all__ = ["LocalWorld", "RankError"]
 _PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
 
 
+# kinds of rank errors that follow another rank's failure (waited, died, released by a world
+# that stopped its collectives): the error message shows a real one first
+_SECONDARY = ("Timeout", "ProcessDied", "ThreadDied", "Released")
+
+
 class RankError(RuntimeError):
     """A function failed on one or more ranks; ``errors`` maps rank -> (type name, traceback)."""
 
     def __init__(self, errors: dict[int, tuple[str, str]]):
         self.errors = errors
         # a real traceback explains more than the time-outs of the ranks that waited for it
-        real = [r for r, (kind, _) in errors.items() if kind not in ("Timeout", "ProcessDied")]
+        real = [r for r, (kind, _) in errors.items() if kind not in _SECONDARY]
         first = min(real or errors)
         super().__init__(
             f"failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}"
@@ -50,6 +56,7 @@ def _worker(
     tasks: mp.Queue,
     results: mp.Queue,
     env: dict[str, str],
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -63,13 +70,15 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(rank)
     # The parent process owns the store server (bound to port 0, so no other process can take
     # the port between choosing and binding it); every rank joins as a client.
     store = dist.TCPStore(
         "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     dist.init_process_group(
-        "gloo",
+        backend,
         store=store,
         rank=rank,
         world_size=world_size,
@@ -94,7 +103,8 @@ def _worker(
 
 
 class LocalWorld:
-    """``world_size`` local ranks in one gloo world; see the module docstring."""
+    """``world_size`` local ranks in one world (``backend`` gloo or nccl); see the module
+    docstring."""
 
     def __init__(
         self,
@@ -104,10 +114,14 @@ class LocalWorld:
         env: dict[str, str] | None = None,
         preload: list[str] | None = None,
         start_method: str = "forkserver",
+        backend: str = "gloo",
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl'")
         self.world_size = world_size
+        self.backend = backend
         self.timeout_s = timeout_s
         self.env = dict(env or {})
         self.preload = _PRELOAD if preload is None else preload
@@ -123,6 +137,14 @@ class LocalWorld:
     def start(self) -> LocalWorld:
         if self._procs:
             return self
+        if self.backend == "nccl":
+            import torch
+
+            if torch.cuda.device_count() < self.world_size:
+                raise ValueError(
+                    f"backend='nccl' with world_size={self.world_size}: this machine has "
+                    f"{torch.cuda.device_count()} CUDA GPU(s) and NCCL needs one per rank; use "
+                    "fewer ranks or backend='gloo'")
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(self.preload)
@@ -139,7 +161,8 @@ class LocalWorld:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env),
+                args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env,
+                      self.backend),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -1,9 +1,14 @@
-"""CP attention against single-process attention on the gathered tensors (4 gloo ranks)."""
+"""CP attention against single-process attention on the gathered tensors (4 gloo ranks).
+
+The case runner (:func:`run_cases`) takes the device as a parameter and keeps its process groups
+per rank thread, so the same cases also run as threads of one process on CPU or CUDA tensors
+(``megatron_hcp.threaded_world``: ``tests/unit/test_threaded_world.py``, ``tests/gpu``)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import threading
 
 import pytest
 import torch
@@ -28,15 +33,20 @@ COMMS = ["p2p", "all_gather", "a2a", "a2a+p2p"]
 FORMATS = ["bshd", "sbhd", "thd"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "kv_rep": (4, 1)}  # (q heads, kv heads)
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-_GROUPS: dict = {}  # per worker process: groups are created once, in the same order everywhere
+# per rank (a gloo process, or a thread of a ThreadedWorld): groups are created once, in the same
+# order everywhere
+_RANK_STATE = threading.local()
 
 
 def cp_groups(cp: int, hcp: tuple[int, int] | None):
     """This rank's CP group (or [a2a, p2p] groups) and the index of its CP group."""
     key = (cp, hcp)
+    if not hasattr(_RANK_STATE, "groups"):
+        _RANK_STATE.groups = {}
+    _GROUPS = _RANK_STATE.groups
     if key not in _GROUPS:
         rank = dist.get_rank()
-        flat = [list(range(s, s + cp)) for s in range(0, WORLD, cp)]
+        flat = [list(range(s, s + cp)) for s in range(0, dist.get_world_size(), cp)]
         index = next(i for i, g in enumerate(flat) if rank in g)
         if hcp is None:
             levels = [flat]
@@ -80,21 +90,24 @@ def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None):
 
 
 def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, sink=None,
-             bias=None):
+             bias=None, *, device="cpu"):
     """``sink``: None, "off-by-one" (zero offsets) or "learnable" (random, with gradient;
     ``cp`` must then be the world: the offset's gradient is summed over it). ``bias``: a
-    post-scale bias shape ("bhss", "1hss", "11ss", "111s"), with gradient, summed likewise."""
+    post-scale bias shape ("bhss", "1hss", "11ss", "111s"), with gradient, summed likewise.
+    ``device``: where every tensor lives (inputs, packing metadata, oracle and CP attention)."""
     hcp = (2, cp // 2) if comm == "a2a+p2p" else None
     group, group_id = cp_groups(cp, hcp)
     flat_rank = dist.get_rank() % cp  # groups are contiguous blocks of the world
     (q, k, v, dout), meta = make_inputs(fmt, heads, dtype, cp, seed + 1000 * group_id, dv=dv)
+    q, k, v, dout = (x.to(device) for x in (q, k, v, dout))
+    meta = {key: x.to(device) for key, x in meta.items()}
     pad = meta.get("cu_seqlens_padded")
     offset = ref_offset = None
     if sink is not None:
         gen = torch.Generator().manual_seed(seed)
         offset = (torch.zeros(heads[0], dtype=dtype) if sink == "off-by-one" else
                   torch.randn(heads[0], generator=gen, dtype=torch.float64).to(dtype) + 1.0)
-        offset.requires_grad_(sink == "learnable")
+        offset = offset.to(device).requires_grad_(sink == "learnable")
         ref_offset = offset.detach().clone().requires_grad_(sink == "learnable")
     attn_bias = ref_bias = None
     if bias is not None:
@@ -102,7 +115,7 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
         dims = [bsz, heads[0], seq, seq]
         shape = [dims[i] if c != "1" else 1 for i, c in enumerate(bias)]
         gen = torch.Generator().manual_seed(seed + 7)
-        attn_bias = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        attn_bias = torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
         attn_bias.requires_grad_()
         ref_bias = attn_bias.detach().clone().requires_grad_()
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -130,12 +143,12 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
         "dv": (local[2].grad - shard(ref_in[2].grad)).abs().max().item(),
     }
     if sink == "learnable":  # each rank's part covers its rows (and heads): sum over CP
-        assert cp == WORLD
+        assert cp == dist.get_world_size()
         grad = offset.grad.clone()
         dist.all_reduce(grad)
         errors["dsink"] = (grad - ref_offset.grad).abs().max().item()
     if bias is not None:  # each rank's part covers its rows: sum over CP
-        assert cp == WORLD
+        assert cp == dist.get_world_size()
         grad = attn_bias.grad.clone()
         dist.all_reduce(grad)
         errors["dbias"] = (grad - ref_bias.grad).abs().max().item()
@@ -146,8 +159,8 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
     return errors
 
 
-def run_cases(cases):
-    return [run_case(*case) for case in cases]
+def run_cases(cases, device="cpu"):
+    return [run_case(*case, device=device) for case in cases]
 
 
 def failures_of(cases, per_rank):
@@ -161,47 +174,100 @@ def failures_of(cases, per_rank):
     return failures
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("comm", COMMS)
-def test_matches_single_process_attention(world, comm, fmt):
-    cases = [
+# ------------------------------------------------------------------ the oracle cases
+# One definition of every case list, used by the tests below (gloo processes), by the threaded
+# ranks on CPU (tests/unit/test_threaded_world.py) and on one GPU (tests/gpu).
+def matrix_cases(comm, fmt):
+    """causal/full x MHA/GQA/KV replication x CP 2/4 x fp64/fp32."""
+    return [
         (comm, fmt, causal, HEADS[h], cp, dtype, seed)
         for seed, (causal, h, cp, dtype) in enumerate(itertools.product(
             [True, False], HEADS, [2, 4], [torch.float64, torch.float32]))
     ]
-    per_rank = world.run(run_cases, cases)
-    failures = []
-    for rank, results in enumerate(per_rank):
-        for case, errors in zip(cases, results):
-            tol = TOL[case[5]]
-            bad = {k: e for k, e in errors.items() if not e <= tol}
-            if bad:
-                failures.append((rank, case[2:5], str(case[5]), bad))
-    assert not failures, failures[:8]
 
 
-@pytest.mark.parametrize("comm", COMMS)
-def test_mla_head_dims(world, comm):
-    """MLA shapes (v's head dim 4, q/k's 8): output and dv in v's head dim, every format."""
-    cases = [
+def mla_cases(comm):
+    """MLA shapes (v's head dim 4, q/k's 8), every format, causal/full, fp64/fp32."""
+    return [
         (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, 4)
         for seed, (fmt, causal, dtype) in enumerate(itertools.product(
             FORMATS, [True, False], [torch.float64, torch.float32]))
     ]
-    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
 
 
 WINDOWS = [(3, 0), (2, 5), (6, -1), (-1, 3)]  # (left, right); 3 < one chunk of 4 tokens
 
 
-@pytest.mark.parametrize("comm", COMMS)
-def test_sliding_window(world, comm):
-    """window_size=(left, right) on load-balanced chunks, every format, causal and full."""
-    cases = [
+def window_cases(comm):
+    return [
         (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None, WINDOWS[seed % len(WINDOWS)])
         for seed, (fmt, causal, dtype) in enumerate(itertools.product(
             FORMATS, [True, False], [torch.float64, torch.float32]))
     ]
+
+
+def offset_cases(comm):
+    return [
+        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None,
+         (2, 1) if seed == 5 else None, "off-by-one" if seed % 4 == 3 else "learnable")
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            FORMATS, [True, False], [torch.float64, torch.float32]))
+    ]
+
+
+def bias_cases():
+    shapes = ["bhss", "1hss", "11ss", "111s"]
+    return [
+        ("p2p", fmt, causal, HEADS["gqa"], 4, dtype, seed, None, None,
+         "learnable" if seed % 5 == 0 else None, shapes[seed % 4])
+        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
+            ["bshd", "sbhd"], [True, False], [torch.float64, torch.float32]))
+    ]
+
+
+def all_oracle_cases():
+    """Every case of the tests below, by name (the cases need a world of ``WORLD`` ranks; a
+    case runs in a smaller world when its CP size divides it and, with a learnable offset or
+    a bias, equals it: see :func:`runnable_in`)."""
+    named = {}
+    for comm in COMMS:
+        for fmt in FORMATS:
+            named[f"matrix/{comm}/{fmt}"] = matrix_cases(comm, fmt)
+        named[f"mla/{comm}"] = mla_cases(comm)
+        named[f"window/{comm}"] = window_cases(comm)
+        named[f"offset/{comm}"] = offset_cases(comm)
+    named["bias/p2p"] = bias_cases()
+    return named
+
+
+def runnable_in(cases, world_size):
+    """The cases a world of ``world_size`` ranks can run: CP sizes dividing the world, and
+    equal to it where a gradient is summed over the world (learnable offset, bias)."""
+    def fits(case):
+        learnable = len(case) > 9 and case[9] == "learnable"
+        cp, summed = case[4], learnable or (len(case) > 10 and case[10] is not None)
+        return world_size % cp == 0 and cp <= world_size and (not summed or cp == world_size)
+    return [case for case in cases if fits(case)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("comm", COMMS)
+def test_matches_single_process_attention(world, comm, fmt):
+    cases = matrix_cases(comm, fmt)
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_mla_head_dims(world, comm):
+    """MLA shapes (v's head dim 4, q/k's 8): output and dv in v's head dim, every format."""
+    cases = mla_cases(comm)
+    assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_sliding_window(world, comm):
+    """window_size=(left, right) on load-balanced chunks, every format, causal and full."""
+    cases = window_cases(comm)
     assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
 
 
@@ -209,12 +275,7 @@ def test_sliding_window(world, comm):
 def test_softmax_offset(world, comm):
     """Softmax with an offset (a sink logit per head): learnable, with its gradient summed over
     CP, and off-by-one; every format, causal and full, GQA and a window on one case."""
-    cases = [
-        (comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None,
-         (2, 1) if seed == 5 else None, "off-by-one" if seed % 4 == 3 else "learnable")
-        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
-            FORMATS, [True, False], [torch.float64, torch.float32]))
-    ]
+    cases = offset_cases(comm)
     assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
 
 
@@ -223,13 +284,7 @@ def test_post_scale_bias_on_the_ring(world):
     each block takes the bias of its rows and columns; output, dq/dk/dv and the bias gradient
     summed over CP equal the oracle, causal and full, bshd and sbhd, with and without an
     offset."""
-    shapes = ["bhss", "1hss", "11ss", "111s"]
-    cases = [
-        ("p2p", fmt, causal, HEADS["gqa"], 4, dtype, seed, None, None,
-         "learnable" if seed % 5 == 0 else None, shapes[seed % 4])
-        for seed, (fmt, causal, dtype) in enumerate(itertools.product(
-            ["bshd", "sbhd"], [True, False], [torch.float64, torch.float32]))
-    ]
+    cases = bias_cases()
     assert not (bad := failures_of(cases, world.run(run_cases, cases))), bad[:8]
 
 

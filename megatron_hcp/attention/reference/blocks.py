@@ -20,13 +20,15 @@ columns that see anything and skipped (``None``) when the window sees none of it
 from __future__ import annotations
 
 import contextvars
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .seq_layout import SeqLayout
 
-__all__ = ["Block", "BlockCounter", "Window", "plan_block", "record_block", "take"]
+__all__ = ["Block", "BlockCounter", "Window", "plan_block", "record_block", "record_kernel",
+           "take"]
 
 Selector = slice | torch.Tensor
 Window = tuple[int, int] | None
@@ -47,10 +49,12 @@ class Block:
 class BlockCounter:
     """Context manager counting this rank's forward attention blocks: ``computed`` holds the
     (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
-    window saw nothing of (their K/V still travel: other ranks need them)."""
+    window saw nothing of (their K/V still travel: other ranks need them), ``kernels`` the
+    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels`."""
 
     computed: list[tuple[int, int]] = field(default_factory=list)
     skipped: int = 0
+    kernels: Counter = field(default_factory=Counter)
     _token: contextvars.Token | None = field(default=None, repr=False)
 
     def __enter__(self) -> BlockCounter:
@@ -80,6 +84,12 @@ def record_block(block: Block | None, layout: SeqLayout) -> None:
         else:
             n = layout.local_tokens
             counter.computed.append((_size(block.rows, n), _size(block.cols, n)))
+
+
+def record_kernel(kernel: str, reason: str = "") -> None:
+    """Count one forward kernel call in every active :class:`BlockCounter`."""
+    for counter in _COUNTERS.get():
+        counter.kernels[(kernel, reason)] += 1
 
 
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:

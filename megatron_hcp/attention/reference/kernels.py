@@ -5,20 +5,122 @@ Its forward returns the block output and LSE; partial results merge exactly thro
 :func:`merge_into`. Its backward takes the *final* (merged) output and LSE, so the block's
 gradients are exact contributions to the full gradients.
 
-Unmasked and causal blocks run PyTorch's blockwise CPU flash kernel
-(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward); masked blocks (packed
-``thd`` data) and devices without that kernel use an explicit math path. Rows with no visible key
-(padding) give output 0 and LSE ``-inf``, and no gradient. ``v`` may have its own head dim
-(MLA: ``Dv != D``); such blocks take the math path (the flash kernel needs one head dim).
+Which kernel a block takes (:func:`choose_kernel`, from the block's shape alone; recorded per
+forward block in :class:`~.blocks.BlockCounter`):
+
+* ``cpu_flash`` - PyTorch's blockwise CPU flash kernel
+  (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward): CPU blocks without
+  mask or bias whose q, k and v share one head dim.
+* ``cuda_flash`` - FlashAttention-2 through ``aten::_scaled_dot_product_flash_attention`` (and
+  ``..._backward``): CUDA, fp16/bf16, one head dim, a multiple of 8 and <= 256.
+* ``cuda_efficient`` - the memory-efficient kernel through
+  ``aten::_scaled_dot_product_efficient_attention`` (and ``..._backward``): CUDA fp32 blocks,
+  and fp16/bf16 blocks flash does not take (MLA's ``d_v != d_qk``, head dims > 256); head dims
+  must be multiples of 16 bytes.
+* ``math`` - explicit matmul + softmax in the accumulation dtype, for every other block, with
+  the reason: a mask (packed ``thd`` sequences, sliding windows: no fused kernel here takes a
+  block's boolean mask), a post-scale bias, fp64 on CUDA (the fused CUDA kernels have no fp64),
+  MLA head dims on CPU (the CPU flash kernel needs one head dim), head dims the CUDA kernels
+  cannot align, a causal block that is not square (never planned; the kernels align such
+  masks differently), and CUDA blocks torch itself refuses on this GPU
+  (``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``).
+
+Both CUDA kernels return the LSE of their rows in fp32 (the efficient kernel pads it to a
+multiple of 32 rows with ``+inf``; its backward reads the padding, so it gets it back), as
+torch's own context-parallel attention uses them. Causal blocks are top-left aligned and
+square, where every kernel agrees. Rows with no visible key (padding) give output 0 and LSE
+``-inf``, and no gradient.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["acc_dtype", "block_backward", "block_forward", "merge_into"]
+from .blocks import record_kernel
+
+__all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
+           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for",
+           "merge_into"]
 
 _NEG_INF = float("-inf")
+CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH = "cpu_flash", "cuda_flash", "cuda_efficient", "math"
+KERNELS = (CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH)
+_HALF = (torch.float16, torch.bfloat16)
+_LSE_ALIGN = 32  # rows of the efficient kernel's LSE (padded with +inf)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel one block takes and, for ``math``, why no fused kernel takes it."""
+
+    kernel: str
+    reason: str = ""
+
+
+def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int,
+                  q_len: int, kv_len: int, *, causal: bool, masked: bool, biased: bool
+                  ) -> KernelChoice:
+    """The kernel of a block from its shape alone (the rules of the module docstring)."""
+    if masked:
+        return KernelChoice(MATH, "masked block (packed thd sequences or a sliding window): "
+                                  "no fused kernel here takes a block's boolean mask")
+    if biased:
+        return KernelChoice(MATH, "post-scale bias")
+    if device_type == "cpu":
+        if head_dim != head_dim_v:
+            return KernelChoice(MATH, f"MLA head dims (d_qk {head_dim}, d_v {head_dim_v}): "
+                                      "the CPU flash kernel needs one head dim")
+        return KernelChoice(CPU_FLASH)
+    if device_type != "cuda":
+        return KernelChoice(MATH, f"no fused kernel on device type {device_type!r}")
+    if q_len == 0 or kv_len == 0:
+        return KernelChoice(MATH, "empty block")
+    if dtype not in (*_HALF, torch.float32):
+        return KernelChoice(MATH, f"{dtype}: the CUDA flash / efficient kernels take fp16, "
+                                  "bf16 and fp32")
+    if causal and q_len != kv_len:
+        return KernelChoice(MATH, f"causal block of {q_len} x {kv_len}: the kernels align a "
+                                  "non-square causal mask differently")
+    if dtype in _HALF and head_dim == head_dim_v and head_dim % 8 == 0 and head_dim <= 256:
+        return KernelChoice(CUDA_FLASH)
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    if head_dim % align == 0 and head_dim_v % align == 0:
+        return KernelChoice(CUDA_EFFICIENT)
+    return KernelChoice(MATH, f"head dims {head_dim} / {head_dim_v} are not multiples of "
+                              f"{align} ({dtype}): the CUDA kernels need 16-byte rows")
+
+
+def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> bool:
+    """Whether torch runs ``kernel`` on these CUDA tensors here (GPU arch, build, the user's
+    ``torch.backends.cuda.enable_*_sdp`` switches)."""
+    from torch.backends import cuda as sdp
+
+    try:
+        params = sdp.SDPAParams(q, k, v, None, 0.0, causal, False)
+    except TypeError:  # torch < 2.5: no enable_gqa argument
+        params = sdp.SDPAParams(q, k, v, None, 0.0, causal)
+    check = (sdp.can_use_flash_attention if kernel == CUDA_FLASH
+             else sdp.can_use_efficient_attention)
+    return bool(check(params, False))
+
+
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               mask: torch.Tensor | None, bias: torch.Tensor | None) -> KernelChoice:
+    """The kernel of the block ``q`` [B,H,Sq,D] x ``k``/``v`` (heads already expanded): the
+    shape rule, confirmed on CUDA by torch's own checks (falling back flash -> efficient ->
+    math)."""
+    choice = choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1], q.shape[2],
+                           k.shape[2], causal=causal, masked=mask is not None,
+                           biased=bias is not None)
+    if choice.kernel == CUDA_FLASH and not _torch_accepts(CUDA_FLASH, q, k, v, causal):
+        choice = KernelChoice(CUDA_EFFICIENT)
+    if choice.kernel == CUDA_EFFICIENT and not _torch_accepts(CUDA_EFFICIENT, q, k, v, causal):
+        return KernelChoice(MATH, "torch refuses its flash and efficient kernels for this "
+                                  "block on this GPU (torch.backends.cuda.can_use_*_attention)")
+    return choice
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,9 +137,44 @@ def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx if h == kv_heads else dx.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _use_flash(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """The CPU flash kernel takes no mask and one head dim for q, k and v (not MLA shapes)."""
-    return mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+def _no_rng() -> torch.Tensor:
+    """The philox seed / offset the fused kernels return without dropout (unused by their
+    backward then): an empty CPU int64 scalar."""
+    return torch.empty((), dtype=torch.int64)
+
+
+def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kernel == CPU_FLASH:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+    if kernel == CUDA_FLASH:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]]  # drop the +inf padding rows
+
+
+def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    if kernel == CPU_FLASH:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    lse = lse.to(torch.float32)
+    if kernel == CUDA_FLASH:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+            causal, _no_rng(), _no_rng(), scale=scale)
+    b, h, sq = lse.shape
+    padded = torch.full((b, h, -(-sq // _LSE_ALIGN) * _LSE_ALIGN), float("inf"),
+                        dtype=torch.float32, device=lse.device)
+    padded[..., :sq] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, padded, _no_rng(), _no_rng(), 0.0,
+        [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
 
 
 def _math_scores(q, k, scale, causal, mask, bias=None):
@@ -62,20 +199,23 @@ def block_forward(
     causal: bool = False,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    kernel: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [B,H,Sq,D] on ``k`` [B,Hkv,Sk,D], ``v`` [B,Hkv,Sk,Dv]; (out, lse).
 
     ``causal`` is top-left aligned (query i sees keys <= i); ``mask`` [Sq, Sk] marks visible
-    pairs; ``bias`` (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``out`` has q's
-    dtype (flash) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
+    pairs; ``bias`` (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``kernel``: the
+    block's :func:`kernel_for` (computed when not given; counted in every active
+    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (flash),
+    fp32 (CUDA efficient) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    if bias is None and _use_flash(q, v, mask):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
-        )
-        return out, lse
+    if kernel is None:
+        kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
+    record_kernel(kernel.kernel, kernel.reason)
+    if kernel.kernel != MATH:
+        return _fused_forward(kernel.kernel, q, k, v, scale, causal)
     acc = acc_dtype(q.dtype)
     s = _math_scores(q.to(acc), k.to(acc), scale, causal, mask, bias)
     lse = torch.logsumexp(s, dim=-1)
@@ -95,28 +235,23 @@ def block_backward(
     causal: bool = False,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    kernel: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of one block given the final ``out``/``lse`` of its query rows.
 
     Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype, and
     with ``bias`` also d bias [B,H,Sq,Sk] (before reducing to the bias's broadcast shape).
+    ``kernel``: the block's :func:`kernel_for` (computed when not given).
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = acc_dtype(q.dtype)
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
     dbias = None
-    if bias is None and _use_flash(q, v, mask):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype).contiguous(),
-            q.contiguous(),
-            ke.contiguous(),
-            ve.contiguous(),
-            out.to(q.dtype).contiguous(),
-            lse.contiguous(),
-            0.0,
-            causal,
-            scale=scale,
-        )
+    if kernel is None:
+        kernel = kernel_for(q, ke, ve, causal=causal, mask=mask, bias=bias)
+    if kernel.kernel != MATH:
+        dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,
+                                     out.to(q.dtype), lse, scale, causal)
         dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
     else:
         qa, ka, va, doa = q.to(acc), ke.to(acc), ve.to(acc), dout.to(acc)

@@ -1,6 +1,7 @@
 """Plain single-process attention on global tensors: the oracle CP attention is checked against.
 
-Written independently of the CP kernels (explicit softmax per sequence, no LSE merging).
+Written independently of the CP kernels (explicit softmax per sequence, no LSE merging); runs
+on the inputs' device.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def _attend(q, k, v, causal, scale, window=None, sink=None, bias=None):
     if bias is not None:  # [h|1, s|1, s] post-scale bias
         scores = scores + bias
     s = q.shape[0]
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    visible = torch.ones(s, s, dtype=torch.bool)
+    pos = torch.arange(s, device=q.device)
+    i, j = pos[:, None], pos[None, :]
+    visible = torch.ones(s, s, dtype=torch.bool, device=q.device)
     if causal:
         visible &= j <= i
     if window is not None and window[0] >= 0:

@@ -1,0 +1,142 @@
+"""The attention work of every CP rank, replayed on one device without communication and
+timed against one ``scaled_dot_product_attention`` call on the whole sequence.
+
+For CP size ``n`` each rank holds chunks ``r`` and ``2n-1-r`` of every sequence and runs, in
+ring order, one block per source rank (:func:`~.blocks.plan_block`): the diagonal causal block
+and ``n-1`` unmasked blocks on half of the queries or half of the keys. The replay runs exactly
+those blocks through the backend's kernels (:func:`~.kernels.block_forward`, the LSE merge,
+:func:`~.kernels.block_backward` with the final output and LSE), for every rank one after the
+other, so the sum over ranks is the compute the CP backend spends on the problem. The baseline
+is one SDPA forward + backward on the whole sequence (causal, the same dtype; torch's flash
+kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio`` = replay /
+baseline; the issue's goal is <= 1.15.
+
+Dense (``bshd``/``sbhd``) layouts only: packed ``thd`` blocks and windows take the math path
+(:mod:`.kernels`), which this replay would only show as slow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .blocks import BlockCounter, plan_block, take
+from .kernels import acc_dtype, block_backward, block_forward, merge_into
+from .seq_layout import SeqLayout
+
+__all__ = ["BlockCost", "measure_block_cost", "rank_block_pass"]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One measurement: seconds (best of the repeats) and the kernels the blocks took."""
+
+    cp: int
+    blocks_s: float  # forward + backward of every rank's blocks, summed over the ranks
+    sdpa_s: float  # one SDPA forward + backward on the whole sequence
+    kernels: dict[tuple[str, str], int]  # forward kernel calls of one replay, (kernel, reason)
+    blocks_per_rank: int
+
+    @property
+    def ratio(self) -> float:
+        return self.blocks_s / self.sdpa_s
+
+
+def _local(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s load-balanced chunks (``rank`` and ``2cp-1-rank``) of [B,H,S,D]."""
+    chunks = x.chunk(2 * cp, dim=2)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2).contiguous()
+
+
+def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    cp: int, rank: int, *, causal: bool = True,
+                    scale: float | None = None) -> tuple[torch.Tensor, ...]:
+    """Forward + backward of rank ``rank``'s CP blocks from global [B,H,S,D] tensors (K/V of
+    every source already at hand); returns (out, dq, dk of every source, dv of every
+    source) - the rank's output and its gradient contributions, in the accumulation dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    acc = acc_dtype(q.dtype)
+    layout = SeqLayout.dense(q.shape[2] // cp, cp, rank)
+    q_r, dout_r = _local(q, cp, rank), _local(dout, cp, rank)
+    kv = [(_local(k, cp, s), _local(v, cp, s)) for s in range(cp)]
+    b, h, n, _ = q_r.shape
+    out = torch.zeros(b, h, n, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    order = [(rank - step) % cp for step in range(cp)]  # ring order
+    blocks = [(src, plan_block(layout, layout.at(cp, src), causal)) for src in order]
+    for src, block in blocks:
+        kj, vj = kv[src]
+        ob, lb = block_forward(take(q_r, block.rows), take(kj, block.cols),
+                               take(vj, block.cols), scale=scale, causal=block.causal)
+        merge_into(out, lse, block.rows, ob, lb)
+    final = out.to(q.dtype)
+    dq = torch.zeros(q_r.shape, dtype=acc, device=q.device)
+    dk = [torch.zeros(kj.shape, dtype=acc, device=q.device) for kj, _ in kv]
+    dv = [torch.zeros(vj.shape, dtype=acc, device=q.device) for _, vj in kv]
+    for src, block in blocks:
+        kj, vj = kv[src]
+        gq, gk, gv = block_backward(
+            take(dout_r, block.rows), take(q_r, block.rows), take(kj, block.cols),
+            take(vj, block.cols), take(final, block.rows), take(lse, block.rows),
+            scale=scale, causal=block.causal)
+        dq[:, :, block.rows] += gq
+        dk[src][:, :, block.cols] += gk
+        dv[src][:, :, block.cols] += gv
+    return (out, dq, *dk, *dv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up (kernel selection, allocator)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int,
+                       dtype: torch.dtype, device: str | torch.device, batch: int = 1,
+                       causal: bool = True, repeats: int = 3, seed: int = 0) -> BlockCost:
+    """Time every rank's blocks (summed) and one SDPA call on the same causal problem."""
+    device = torch.device(device)
+    if seq % (2 * cp):
+        raise ValueError(f"seq={seq}: must be a multiple of 2*cp={2 * cp} (two chunks per rank)")
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(h, d=dim):
+        return torch.randn(batch, h, seq, d, generator=gen, device=device, dtype=dtype)
+
+    q, k, v, dout = draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+
+    def replay():
+        for rank in range(cp):
+            rank_block_pass(q, k, v, dout, cp, rank, causal=causal)
+
+    def sdpa():  # torch's flash kernel (its efficient one where flash cannot run, e.g. fp32)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=causal, enable_gqa=kv_heads != heads)
+        out.backward(dout)
+
+    with torch.no_grad():
+        blocks_s = _best(replay, repeats, device)
+        with BlockCounter() as counter:
+            replay()
+    calls = sum(counter.kernels.values())
+    return BlockCost(cp=cp, blocks_s=blocks_s, sdpa_s=_best(sdpa, repeats, device),
+                     kernels=dict(counter.kernels), blocks_per_rank=calls // cp)

@@ -1,0 +1,171 @@
+"""Which kernel each CP attention block takes (kernels.choose_kernel / kernel_for) and that the
+blocks of real attention calls take it (BlockCounter.kernels), on CPU; no kernel is mocked."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_hcp.attention.reference import BlockCounter, full_attention, local_attention, pad_thd
+from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank_block_pass
+from megatron_hcp.attention.reference.kernels import (
+    CPU_FLASH,
+    CUDA_EFFICIENT,
+    CUDA_FLASH,
+    MATH,
+    KernelChoice,
+    _torch_accepts,
+    block_backward,
+    block_forward,
+    choose_kernel,
+)
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+
+# (device, dtype, d_qk, d_v, q_len, kv_len, causal, masked, biased) -> kernel, reason fragment
+RULES = [
+    (("cpu", F32, 64, 64, 8, 8, True, False, False), CPU_FLASH, ""),
+    (("cpu", F64, 8, 8, 8, 4, False, False, False), CPU_FLASH, ""),
+    (("cpu", F32, 8, 4, 8, 8, True, False, False), MATH, "MLA head dims (d_qk 8, d_v 4)"),
+    (("cpu", F32, 8, 8, 8, 8, False, True, False), MATH, "masked block"),
+    (("cpu", F32, 8, 8, 8, 8, False, False, True), MATH, "post-scale bias"),
+    (("cuda", BF16, 128, 128, 64, 64, True, False, False), CUDA_FLASH, ""),
+    (("cuda", F16, 64, 64, 32, 64, False, False, False), CUDA_FLASH, ""),
+    (("cuda", BF16, 192, 128, 64, 64, True, False, False), CUDA_EFFICIENT, ""),  # MLA
+    (("cuda", BF16, 320, 320, 64, 64, False, False, False), CUDA_EFFICIENT, ""),  # > 256
+    (("cuda", F32, 64, 64, 64, 64, True, False, False), CUDA_EFFICIENT, ""),
+    (("cuda", F32, 8, 4, 16, 16, False, False, False), CUDA_EFFICIENT, ""),  # MLA, fp32
+    (("cuda", F64, 64, 64, 64, 64, True, False, False), MATH, "torch.float64"),
+    (("cuda", BF16, 64, 64, 64, 64, True, True, False), MATH, "sliding window"),
+    (("cuda", F32, 64, 64, 64, 64, False, False, True), MATH, "post-scale bias"),
+    (("cuda", BF16, 64, 64, 32, 64, True, False, False), MATH, "causal block of 32 x 64"),
+    (("cuda", BF16, 12, 12, 64, 64, False, False, False), MATH, "not multiples of 8"),
+    (("cuda", F32, 6, 6, 64, 64, False, False, False), MATH, "not multiples of 4"),
+    (("cuda", BF16, 64, 64, 0, 64, False, False, False), MATH, "empty block"),
+    (("mps", F32, 64, 64, 64, 64, False, False, False), MATH, "device type 'mps'"),
+]
+
+
+@pytest.mark.parametrize(("shape", "kernel", "why"), RULES)
+def test_dispatch_rule(shape, kernel, why):
+    device, dtype, d, dv, sq, sk, causal, masked, biased = shape
+    choice = choose_kernel(device, dtype, d, dv, sq, sk, causal=causal, masked=masked,
+                           biased=biased)
+    assert choice.kernel == kernel, choice
+    assert (why in choice.reason) if why else choice.reason == "", choice
+
+
+def kernels_of(fmt="bshd", dtype=F64, dv=8, window=None, bias=False, causal=True):
+    """The (kernel, reason) counts of one single-process attention call, forward and
+    backward run."""
+    gen = torch.Generator().manual_seed(0)
+    meta = {}
+    if fmt == "thd":
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        _, pad = pad_thd(torch.zeros(12, 1), cu, 1)
+        t = int(pad[-1])
+        shapes = [(t, 4, 8), (t, 2, 8), (t, 2, dv)]
+        meta = dict(cu_seqlens_q=cu, cu_seqlens_q_padded=pad)
+    else:
+        shapes = [(2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, dv)]
+    q, k, v = (torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes)
+    attn_bias = torch.zeros(1, 1, 16, 16, dtype=dtype) if bias else None
+    with BlockCounter() as counter:
+        out = local_attention(q, k, v, causal=causal, qkv_format=fmt, window_size=window,
+                              attention_bias=attn_bias, **meta)
+    out.sum().backward()
+    return counter.kernels
+
+
+def test_blocks_take_the_kernel_their_shape_gets():
+    assert kernels_of() == {(CPU_FLASH, ""): 1}
+    assert kernels_of(dtype=F32, causal=False) == {(CPU_FLASH, ""): 1}
+    [(kernel, why)] = kernels_of(fmt="thd")
+    assert kernel == MATH and "masked block" in why
+    [(kernel, why)] = kernels_of(window=(3, 0))
+    assert kernel == MATH and "sliding window" in why
+    [(kernel, why)] = kernels_of(dv=4)
+    assert kernel == MATH and "MLA head dims" in why
+    assert kernels_of(bias=True) == {(MATH, "post-scale bias"): 1}
+
+
+@pytest.mark.parametrize(("dtype", "causal"), itertools.product([F64, F32], [True, False]))
+def test_cpu_flash_and_math_blocks_agree(dtype, causal):
+    """The same block through both kernels: output, LSE and gradients."""
+    gen = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, 4, 16, 8, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=dtype) for _ in range(2))
+    tol = 1e-10 if dtype == F64 else 1e-5
+    res = {}
+    for kernel in (KernelChoice(CPU_FLASH), KernelChoice(MATH, "forced")):
+        out, lse = block_forward(q, k, v, scale=0.3, causal=causal, kernel=kernel)
+        grads = block_backward(dout, q, k, v, out, lse, scale=0.3, causal=causal,
+                               kernel=kernel)
+        res[kernel.kernel] = (out, lse, *grads)
+    for a, b in zip(res[CPU_FLASH], res[MATH]):
+        assert (a.to(b.dtype) - b).abs().max().item() <= tol
+
+
+def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
+    """The confirmation step of kernel_for builds torch's SDPA parameters on this torch."""
+    q = torch.randn(1, 2, 8, 8)
+    assert not _torch_accepts(CUDA_FLASH, q, q, q, True)
+    assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_block_replay_does_the_work_of_cp_attention(cp):
+    """The speed benchmark's replay (every rank's blocks, no communication) computes the
+    oracle's output and gradients: what it times is the whole attention, once."""
+    gen = torch.Generator().manual_seed(cp)
+    q, dout = (torch.randn(2, 4, 16, 8, generator=gen, dtype=F64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=F64) for _ in range(2))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True,
+                                                           enable_gqa=True)
+    ref.backward(dout)
+    outs, dqs = [], []
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(cp):
+        out, dq, *rest = rank_block_pass(q, k, v, dout, cp, rank)
+        outs.append(out)
+        dqs.append(dq)
+        c = k.shape[2] // (2 * cp)
+        for src in range(cp):  # each source's K/V gradient, back to its global positions
+            gk, gv = rest[src], rest[cp + src]
+            for half, chunk in enumerate((src, 2 * cp - 1 - src)):
+                dk[:, :, chunk * c:(chunk + 1) * c] += gk[:, :, half * c:(half + 1) * c]
+                dv[:, :, chunk * c:(chunk + 1) * c] += gv[:, :, half * c:(half + 1) * c]
+
+    def assemble(parts):
+        c = q.shape[2] // (2 * cp)
+        full = torch.zeros_like(q)
+        for rank, part in enumerate(parts):
+            full[:, :, rank * c:(rank + 1) * c] = part[:, :, :c]
+            full[:, :, (2 * cp - 1 - rank) * c:(2 * cp - rank) * c] = part[:, :, c:]
+        return full
+
+    for got, want in ((assemble(outs), ref), (assemble(dqs), ref_in[0].grad),
+                      (dk, ref_in[1].grad), (dv, ref_in[2].grad)):
+        assert (got - want).abs().max().item() <= 1e-10
+
+
+def test_block_cost_reports_kernels_and_times():
+    cost = measure_block_cost(seq=64, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32,
+                              device="cpu", repeats=1)
+    assert cost.kernels == {(CPU_FLASH, ""): 16} and cost.blocks_per_rank == 4
+    assert cost.blocks_s > 0 and cost.sdpa_s > 0 and cost.ratio == cost.blocks_s / cost.sdpa_s
+    with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):
+        measure_block_cost(seq=60, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32, device="cpu")
+
+
+def test_the_oracle_follows_its_inputs_device():
+    """full_attention builds its masks on q's device (CUDA in tests/gpu); the meta device shows
+    it without a GPU (a CPU-built mask is refused there)."""
+    q = torch.empty(2, 16, 4, 8, device="meta")
+    k = torch.empty(2, 16, 2, 8, device="meta")
+    for kwargs in ({}, {"window_size": (3, 0)}, {"causal": False}):
+        out = full_attention(q, k, k, qkv_format="bshd", **kwargs)
+        assert out.device.type == "meta" and out.shape == q.shape
