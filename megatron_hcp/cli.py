@@ -191,22 +191,27 @@ def _patch_fork(args: argparse.Namespace) -> int:
     from .patching import PatchError
     from .patching.forkpatch import apply_diffs, check_diffs, revert_diffs
 
+    def note(line: str) -> None:  # waiting for the lock; an interrupted transaction finished
+        print(f"megatron-hcp patch: {line}", file=sys.stderr, flush=True)
+
+    locking = {"lock_timeout": args.lock_timeout, "notify": note}
     try:
         if args.patch_command == "check":
-            version, statuses = check_diffs(args.target)
+            version, statuses = check_diffs(args.target, **locking)
             print(f"megatron-core {version} at {args.target}")
             for s in statuses:
                 label = s.file.name if s.file is not None else s.name
                 print(f"  {label:<50} {s.state}"
                       + (f"  ({s.detail.splitlines()[0]})" if s.detail else ""))
             return 0 if all(s.state != "conflicts" for s in statuses) else 1
-        done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(args.target)
+        done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(
+            args.target, **locking)
         verb = "applied" if args.patch_command == "apply" else "reverted"
         print(f"{verb} {len(done)} patch(es)" + (f": {', '.join(done)}" if done else
                                                   " (nothing to do)"))
         return 0
     except PatchError as err:
-        print(f"refused: {err}", file=sys.stderr)
+        print(f"refused: {_one_line(err)}", file=sys.stderr)
         return 2
 
 
@@ -588,6 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = patch_sub.add_parser(cmd, help=text)
         p.add_argument("--target", required=True,
                        help="a Megatron-LM checkout or an installed megatron package directory")
+        p.add_argument("--lock-timeout", type=_typed("float", minimum=0.0, maximum=3600.0),
+                       default=10.0, metavar="SECONDS",
+                       help="wait this long for another patch process on the same target "
+                            "(default 10), then refuse naming it")
         p.set_defaults(func=_patch_fork, check=_patch_target)
 
     fn = sub.add_parser("functional", help="functional recipes with golden values (CPU/gloo)")
@@ -637,16 +646,21 @@ def parse_and_check(argv: Sequence[str] | None = None) -> argparse.Namespace | i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; bad input exits 2 with one line on stderr, never a traceback."""
+    """Run the command line; bad input exits 2 with one line on stderr, never a traceback;
+    Ctrl-C exits 130 with one line."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_and_check(argv)
-    if isinstance(args, int):
-        return args
     try:
-        return args.func(args)
-    except UsageError as err:
-        print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        args = parse_and_check(argv)
+        if isinstance(args, int):
+            return args
+        try:
+            return args.func(args)
+        except UsageError as err:
+            print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        print("megatron-hcp: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -777,14 +777,19 @@ def parse_int(value: Any, name: str, *, minimum: int | None = None,
 
 
 def parse_float(value: Any, name: str, *, minimum: float | None = None,
-                above: float | None = None) -> float:
-    """A finite number from an int, a float or its text (never a bool); ``minimum`` inclusive,
-    ``above`` exclusive."""
+                above: float | None = None, maximum: float | None = None) -> float:
+    """A finite number from an int, a float or its text (never a bool); ``minimum`` and
+    ``maximum`` inclusive, ``above`` exclusive."""
     if isinstance(value, str):
         try:
             value = float(value.strip())
         except ValueError:
             pass
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
             value):
         raise _bad(name, value, "must be a finite number", f"give {name} a number, e.g. 1.5")
@@ -792,6 +797,8 @@ def parse_float(value: Any, name: str, *, minimum: float | None = None,
         raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
     if above is not None and value <= above:
         raise _bad(name, value, f"must be > {above}", f"use a value > {above}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, value, f"must be <= {maximum:g}", f"use a value <= {maximum:g}")
     return float(value)
 
 
