@@ -18,7 +18,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Step", "fsync_dir", "pid_alive", "reclaim_temps", "temp_files", "write_atomic"]
+__all__ = ["PLOT_SUFFIXES", "OutputPathError", "Step", "check_output_dir", "check_output_file",
+           "fsync_dir", "pid_alive", "reclaim_temps", "temp_files", "write_atomic"]
+
+PLOT_SUFFIXES = ("", ".png", ".pdf", ".svg")
+"""What a ``--plot`` file may end with (matplotlib writes PNG without a suffix)."""
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written (found before any work starts; one line)."""
 
 Step = Callable[[str], None]
 """Called with a description before each change on disk (fault-injection point)."""
@@ -78,6 +86,48 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _writable_dir(folder: Path, name: str, path: str | os.PathLike) -> None:
+    if not folder.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r}: the directory {str(folder)!r} does not "
+                              "exist; create it first or give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{name} {str(path)!r}: cannot write into {str(folder)!r} "
+                              "(permission); give a writable location")
+
+
+def check_output_file(path: str | os.PathLike, name: str,
+                      suffixes: tuple[str, ...] = PLOT_SUFFIXES) -> Path:
+    """Refuse, before any work, an output file that could not be written at the end."""
+    file = Path(path)
+    if str(path) == "" or file.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r} is a directory; give a file name such as "
+                              "out.png")
+    if file.suffix.lower() not in suffixes:
+        raise OutputPathError(f"{name} {str(path)!r}: unknown file type {file.suffix!r}; end "
+                              f"the name with one of {', '.join(s for s in suffixes if s)}")
+    _writable_dir(file.parent if str(file.parent) else Path("."), name, path)
+    if file.exists() and not os.access(file, os.W_OK):
+        raise OutputPathError(f"{name} {str(path)!r} exists and cannot be overwritten "
+                              "(permission); give another path")
+    return file
+
+
+def check_output_dir(path: str | os.PathLike, name: str) -> Path:
+    """Refuse, before any work, an output directory that could not be created or written."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r} exists and is not a directory; give a "
+                              "directory")
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent  # the nearest existing ancestor is where mkdir starts
+    if not existing.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r}: {str(existing)!r} is not a directory, "
+                              "so the directory cannot be created; give another path")
+    _writable_dir(existing, name, path)
+    return folder
 
 
 def temp_files(path: Path) -> list[tuple[Path, int | None]]:

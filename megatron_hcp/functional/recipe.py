@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..bounded_read import InputFileError, read_yaml
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
 from ..data import data_dir
 from ..training.data import CORPORA
@@ -47,19 +46,19 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # flag -> (field, parse_value kind): a CPConfig field (CP, parallel sizes and the model shape the
 # CP rules read; its kind is CPConfig's own), a TinyGPTSpec field, or None (accepted, fixed or
 # handled below). Each flag maps to one field, once.
-_INT, _FLOAT, _BOOL = "posint", "float", "bool"
+_FLOAT, _BOOL = "float", "bool"
 _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
-    "--hidden-size": ("hidden_size", _INT),
-    "--micro-batch-size": ("micro_batch_size", _INT),
-    "--global-batch-size": ("global_batch_size", _INT),
-    "--train-iters": ("steps", _INT),
+    "--hidden-size": ("hidden_size", "width"),
+    "--micro-batch-size": ("micro_batch_size", "sequences"),
+    "--global-batch-size": ("global_batch_size", "sequences"),
+    "--train-iters": ("steps", "steps"),
     "--lr": ("lr", _FLOAT),
-    "--seed": ("seed", _INT),
-    "--vocab-size": ("vocab_size", _INT),
-    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", _INT),
+    "--seed": ("seed", "posint"),
+    "--vocab-size": ("vocab_size", "vocab"),
+    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", "layers"),
     "--sequence-parallel": ("sequence_parallel", _BOOL),
     "--group-query-attention": (None, _BOOL),
-    "--max-position-embeddings": (None, _INT),
+    "--max-position-embeddings": (None, "seqlen"),
     "--tokenizer-type": (None, "str"),
     "--untie-embeddings-and-output-weights": (None, _BOOL),
     "--position-embedding-type": (None, "str"),
@@ -67,11 +66,11 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--use-decentralized-pg": (None, _BOOL),
     # variable-length mock data (upstream: lognormal, min 128 / max 2048 / mean 512 / sigma 1.2)
     "--mock-variable-seq-lengths": (None, _BOOL),
-    "--mock-min-seqlen": (None, _INT),
-    "--mock-max-seqlen": (None, _INT),
+    "--mock-min-seqlen": (None, "seqlen"),
+    "--mock-max-seqlen": (None, "seqlen"),
     "--mock-mean-seqlen": (None, _FLOAT),
     "--mock-seqlen-sigma": (None, _FLOAT),
-    "--mock-samples-per-micro-batch": (None, _INT),
+    "--mock-samples-per-micro-batch": (None, "sequences"),
     "--mock-corpus": (None, "str"),  # motif (default) or markov: a corpus the model learns
 }
 _CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "seq_length",
@@ -160,12 +159,9 @@ def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        detail = " ".join(str(err).split())
-        raise CPConfigError([Violation(str(path), None, f"is not plain YAML ({detail})",
-                                       "write plain YAML (no Python tags)")]) from None
+        doc = read_yaml(path, "recipe")
+    except InputFileError as err:
+        raise CPConfigError([Violation(str(path), None, err.rule, err.fix)]) from None
     doc = {} if doc is None else doc
     if not isinstance(doc, dict):
         raise CPConfigError([Violation(str(path), type(doc).__name__, "must be a YAML mapping",

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check", "run"]
 
 
 def _one_line_error(message: str) -> None:
@@ -26,43 +26,71 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return namespace, extras
 
     p.parse_known_args = strict  # type: ignore[method-assign]
+    from ..config import LIMITS, MAX_SEQ_LENGTH, argument_type
+    from .inputs import PLAN_MAX_GPUS, PLAN_MAX_SEQUENCES
+
+    def count(kind: str, flag: str, minimum: int = 1):
+        return argument_type("int", flag, minimum=minimum, maximum=LIMITS[kind])
+
+    def number(flag: str, **bounds):
+        return argument_type("float", flag, **bounds)
+
     m = p.add_argument_group("model (flags override --model)")
     m.add_argument("--model", default=None,
                    help="recipe model_config.yaml (MODEL_ARGS), YAML of megatron flags, or a "
                         "text file of megatron flags")
-    m.add_argument("--layers", type=int, default=None)
-    m.add_argument("--hidden", type=int, default=None)
-    m.add_argument("--ffn", type=int, default=None, help="FFN hidden size (default 4 x hidden)")
+    m.add_argument("--layers", type=count("layers", "--layers"), default=None)
+    m.add_argument("--hidden", type=count("width", "--hidden"), default=None)
+    m.add_argument("--ffn", type=count("width", "--ffn"), default=None,
+                   help="FFN hidden size (default 4 x hidden)")
     m.add_argument("--gated-mlp", action="store_true", default=None, help="SwiGLU (3 matmuls)")
-    m.add_argument("--heads", type=int, default=None)
-    m.add_argument("--kv-heads", type=int, default=None, help="query groups (default: heads)")
-    m.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
-    m.add_argument("--vocab", type=int, default=None, help="default 32000")
+    m.add_argument("--heads", type=count("heads", "--heads"), default=None)
+    m.add_argument("--kv-heads", type=count("heads", "--kv-heads"), default=None,
+                   help="query groups (default: heads)")
+    m.add_argument("--head-dim", type=count("width", "--head-dim"), default=None,
+                   help="default hidden / heads")
+    m.add_argument("--vocab", type=count("vocab", "--vocab"), default=None,
+                   help="default 32000")
     m.add_argument("--tied-embeddings", action="store_true", default=None)
     b = p.add_argument_group("batch (one of --seq-length, --lengths, --lognormal)")
-    b.add_argument("--seq-length", type=int, default=None)
+    b.add_argument("--seq-length", type=argument_type("int", "--seq-length", minimum=2,
+                                                      maximum=MAX_SEQ_LENGTH), default=None)
     b.add_argument("--lengths", default=None, help="JSON file: the lengths of one global batch")
     b.add_argument("--lognormal", default=None, metavar="MEDIAN,SIGMA,MIN,MAX",
-                   help="lengths drawn from a clipped lognormal (seed --seed)")
-    b.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    b.add_argument("--seed", type=int, default=0)
-    c = p.add_argument_group("cluster (defaults: H100 SXM nodes, see the module docstring)")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s per GPU in a node")
-    c.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
-    c.add_argument("--intra-latency-us", type=float, default=5.0)
-    c.add_argument("--inter-latency-us", type=float, default=10.0)
-    c.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU")
-    c.add_argument("--gpu-memory-gb", type=float, default=80.0)
+                   help="lengths drawn from a clipped lognormal (seed --seed); MIN and MAX are "
+                        "integers")
+    b.add_argument("--global-batch", type=argument_type(
+        "int", "--global-batch", minimum=1, maximum=PLAN_MAX_SEQUENCES), default=None,
+        help=f"sequences per step (at most {PLAN_MAX_SEQUENCES})")
+    b.add_argument("--seed", type=argument_type("int", "--seed", minimum=0,
+                                                maximum=(1 << 32) - 1), default=0)
+    c = p.add_argument_group("cluster (defaults: H100 SXM nodes, see the module docstring; "
+                             f"at most {PLAN_MAX_GPUS} GPUs)")
+    c.add_argument("--nodes", type=count("size", "--nodes"), default=1)
+    c.add_argument("--gpus-per-node", type=count("size", "--gpus-per-node"), default=8)
+    c.add_argument("--intra-gbps", type=number("--intra-gbps", above=0.0, maximum=1e6),
+                   default=450.0, help="GB/s per GPU in a node")
+    c.add_argument("--inter-gbps", type=number("--inter-gbps", above=0.0, maximum=1e6),
+                   default=50.0, help="GB/s per GPU across nodes")
+    c.add_argument("--intra-latency-us", type=number("--intra-latency-us", minimum=0.0,
+                                                     maximum=1e6), default=5.0)
+    c.add_argument("--inter-latency-us", type=number("--inter-latency-us", minimum=0.0,
+                                                     maximum=1e6), default=10.0)
+    c.add_argument("--tflops", type=number("--tflops", above=0.0, maximum=1e6), default=400.0,
+                   help="achieved TFLOP/s per GPU")
+    c.add_argument("--gpu-memory-gb", type=number("--gpu-memory-gb", above=0.0, maximum=1e6),
+                   default=80.0)
     o = p.add_argument_group("options")
     o.add_argument("--recompute", default="auto", choices=["auto", "selective", "full"])
     o.add_argument("--no-distributed-optimizer", action="store_true")
     o.add_argument("--tp-comm-overlap", action="store_true")
-    o.add_argument("--te-version", default="2.8")
-    o.add_argument("--tie-tolerance", type=float, default=0.02)
-    o.add_argument("--max-tp", type=int, default=None, help="default: GPUs per node")
-    o.add_argument("--top", type=int, default=10, help="rows of the table / bars of the plot")
+    o.add_argument("--te-version", type=argument_type("version", "--te-version"), default="2.8")
+    o.add_argument("--tie-tolerance", type=number("--tie-tolerance", minimum=0.0, maximum=0.99),
+                   default=0.02)
+    o.add_argument("--max-tp", type=count("size", "--max-tp"), default=None,
+                   help="default: GPUs per node")
+    o.add_argument("--top", type=argument_type("int", "--top", minimum=1, maximum=1000),
+                   default=10, help="rows of the table / bars of the plot")
     o.add_argument("--json", action="store_true")
     o.add_argument("--plot", default=None, metavar="PATH", help="stacked step-time bars (PNG)")
 
@@ -70,6 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _build(args: argparse.Namespace):
     from ..dynamic_cp.projection import Cluster
     from .inputs import (
+        PLAN_MAX_GPUS,
         Batch,
         ModelSpec,
         Options,
@@ -77,6 +106,7 @@ def _build(args: argparse.Namespace):
         lengths_file,
         load_model_file,
         lognormal,
+        lognormal_spec,
     )
 
     base: dict = {}
@@ -108,14 +138,10 @@ def _build(args: argparse.Namespace):
     if args.lengths:
         batch = lengths_file(args.lengths)
     elif args.lognormal:
-        try:
-            median, sigma, lo, hi = (float(x) for x in args.lognormal.split(","))
-        except ValueError:
-            raise PlanInputError("--lognormal needs MEDIAN,SIGMA,MIN,MAX (four numbers)"
-                                 ) from None
+        median, sigma, lo, hi = lognormal_spec(args.lognormal)
         if global_batch is None:
             raise PlanInputError("--lognormal needs --global-batch (sequences per step)")
-        batch = lognormal(global_batch, median, sigma, int(lo), int(hi), args.seed)
+        batch = lognormal(global_batch, median, sigma, lo, hi, args.seed)
     elif seq is not None:
         if global_batch is None:
             raise PlanInputError("--seq-length needs --global-batch (sequences per step)")
@@ -123,20 +149,13 @@ def _build(args: argparse.Namespace):
     else:
         raise PlanInputError("give the sequence length (--seq-length) or a length "
                              "distribution (--lengths FILE or --lognormal ...)")
-    for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("intra_gbps", "inter_gbps", "tflops", "gpu_memory_gb"):
-        if not getattr(args, name) > 0:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ("intra_latency_us", "inter_latency_us"):
-        if not getattr(args, name) >= 0:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("top", "max_tp"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.seed < 0:
-        raise PlanInputError("--seed must be >= 0")
+    gpus = args.nodes * args.gpus_per_node
+    if gpus > PLAN_MAX_GPUS:
+        raise PlanInputError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {gpus} GPUs is over "
+            f"the planner's limit of {PLAN_MAX_GPUS} (it estimates every layout; beyond that it "
+            "runs for many minutes); plan a slice of the cluster (e.g. the GPUs of one "
+            "data-parallel replica group)")
     cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       flops_per_second=args.tflops * 1e12,
                       intra_bytes_per_second=args.intra_gbps * 1e9,
@@ -151,22 +170,28 @@ def _build(args: argparse.Namespace):
     return model, batch, cluster, options
 
 
+def check(args: argparse.Namespace):
+    """Every input of ``plan`` read and bounded, and the ``--plot`` path checked, before any
+    layout is estimated: (model, batch, cluster, options). Raises ValueError (one line)."""
+    from ..atomic_write import check_output_file
+
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+    return _build(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from . import plan
     from .inputs import PlanInputError
     from .report import plot_breakdown, table
 
     try:
-        result = plan(*_build(args))
-    except (PlanInputError, ValueError, OverflowError) as err:  # input errors, one line
+        result = plan(*args.checked)
+    except PlanInputError as err:  # no layout fits: one line
         print(f"megatron-hcp plan: {err}".splitlines()[0], file=sys.stderr)
         return 2
     if args.plot:
-        try:
-            plot_breakdown(result.ranked, args.plot, args.top)
-        except OSError as err:
-            print(f"megatron-hcp plan: cannot write --plot {args.plot}: {err}", file=sys.stderr)
-            return 2
+        plot_breakdown(result.ranked, args.plot, args.top)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0

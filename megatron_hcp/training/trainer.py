@@ -393,13 +393,16 @@ def _save_checkpoint(spec: TinyGPTSpec, step: int, model: list[Any], optimizer: 
 def _load_checkpoint(spec: TinyGPTSpec, model: list[Any], optimizer: Any) -> None:
     if not spec.checkpoint_dir:
         raise ValueError("resuming needs spec.checkpoint_dir")
-    state = load_checkpoint(spec.checkpoint_dir, spec.resume_from_step)
-    if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
-        raise CheckpointError(f"checkpoint {spec.checkpoint_dir} step {state['step']} with "
-                              f"{len(state['model'])} model chunks does not fit this run")
-    for m, sd in zip(model, state["model"]):
-        m.load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
+
+    def restore(state: dict[str, Any]) -> None:  # inside the ranks' agreement on the verdict
+        if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
+            raise CheckpointError(f"step {state['step']} with {len(state['model'])} model "
+                                  f"chunks does not fit this run ({len(model)} chunks)")
+        for m, sd in zip(model, state["model"]):
+            m.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+
+    load_checkpoint(spec.checkpoint_dir, spec.resume_from_step, restore=restore)
 
 
 def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
