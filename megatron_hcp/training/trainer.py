@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention.module import gpt_layer_spec
 from ..config import CPConfig
 from ..parallel_state.groups import collective_device
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -250,6 +249,8 @@ def _layer_spec_kwargs(config: Any) -> dict[str, Any]:
 def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) -> list[Any]:
     """The model chunks of this pipeline rank (one, or one per virtual stage)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from ..attention.module import gpt_layer_spec  # imports megatron: only when training
 
     pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
     vpp = spec.virtual_pipeline_model_parallel_size or 1
