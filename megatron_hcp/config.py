@@ -590,6 +590,27 @@ class CPConfig:
         """Dynamic CP on (``hybrid_context_parallel`` is megatron-core 0.16's name for it)."""
         return bool(self.dynamic_context_parallel or self.hybrid_context_parallel)
 
+    def _per_token_violations(self) -> list[Violation]:
+        """The modes that need per-token loss, when it is turned off."""
+        if self.calculate_per_token_loss is False and self.dynamic:
+            return [Violation(
+                "calculate_per_token_loss", False,
+                "dynamic CP needs per-token loss: micro-batches hold different token counts, so "
+                "averaging per micro-batch would weight tokens unequally",
+                "set calculate_per_token_loss=True (the default with dynamic CP)")]
+        return []
+
+    def per_token_loss(self) -> bool:
+        """True: the loss is averaged over the tokens of the global batch
+        (``calculate_per_token_loss`` True, or unset: this project's default); False: per
+        micro-batch, over its tokens on the whole CP group (megatron's
+        ``calculate_per_token_loss=False``). Raises :class:`CPConfigError` where a mode needs
+        per-token loss (dynamic CP)."""
+        problems = self._per_token_violations()
+        if problems:
+            raise CPConfigError(problems)
+        return self.calculate_per_token_loss is not False
+
     def _check_dynamic(self, out: list[Violation], advice: list[str]) -> None:
         if self.hybrid_context_parallel:
             advice.append(
@@ -598,12 +619,7 @@ class CPConfig:
             )
         if not self.dynamic:
             return
-        if self.calculate_per_token_loss is False:
-            out.append(Violation(
-                "calculate_per_token_loss", False,
-                "dynamic CP needs per-token loss: micro-batches hold different token counts, so "
-                "averaging per micro-batch would weight tokens unequally",
-                "set calculate_per_token_loss=True (the default with dynamic CP)"))
+        out.extend(self._per_token_violations())
         if self.enable_cuda_graph or self.cuda_graph_impl not in ("none", None):
             out.append(Violation(
                 "cuda_graph_impl", self.cuda_graph_impl if self.cuda_graph_impl != "none"
