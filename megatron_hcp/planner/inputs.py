@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounded_read import InputFileError, loads_yaml, read_json, read_text
-from ..config import MAX_SEQ_LENGTH, CPConfigError, parse_float, parse_int, parse_value
+from ..config import (
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    CPConfigError,
+    parse_float,
+    parse_int,
+    parse_value,
+)
 from ..dynamic_cp.workload import GPTWorkload
 
 __all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "Batch", "ModelSpec", "Options",
@@ -22,7 +29,7 @@ __all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "Batch", "ModelSpec", "Options
 PLAN_MAX_GPUS = 16384
 """GPUs the planner estimates layouts for (every layout is estimated; measured: 1024 GPUs with a
 lognormal batch of 1024 sequences take ~30-50 s on a loaded 2-core VM)."""
-PLAN_MAX_SEQUENCES = 65536
+PLAN_MAX_SEQUENCES = MAX_SEQUENCES
 """Sequences in the planner's global batch (``--global-batch``, ``--lengths``)."""
 
 
