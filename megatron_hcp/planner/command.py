@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = plan(*args.checked)
-    except PlanInputError as err:  # no layout fits: one line
+    except (PlanInputError, ValueError) as err:  # e.g. no layout fits: one line
         print(f"megatron-hcp plan: {err}".splitlines()[0], file=sys.stderr)
         return 2
     if args.plot:
