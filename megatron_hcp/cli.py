@@ -12,7 +12,6 @@ from typing import Any
 __all__ = ["UsageError", "build_parser", "main", "parse_and_check"]
 
 MAX_LOCAL_RANKS = 64  # verify-groups starts this many processes on this machine at most
-MAX_STEPS = 100_000
 
 
 class UsageError(ValueError):
@@ -28,22 +27,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _typed(kind: str, name: str = "the value", **bounds: Any) -> Callable[[str], Any]:
     """An argparse ``type`` that reads the value with the one strict parser of config.py."""
-    from .config import CPConfigError, parse_float, parse_int, parse_value
+    from .config import argument_type
 
-    def convert(text: str) -> Any:
-        try:
-            if kind == "int":
-                return parse_int(text, name, **bounds)
-            if kind == "float":
-                return parse_float(text, name, **bounds)
-            return parse_value(text, kind, name)
-        except CPConfigError as err:
-            v = err.violations[0]
-            raise argparse.ArgumentTypeError(f"{v.parameter}={v.value!r} {v.rule}; {v.fix}"
-                                             ) from None
-
-    convert.__name__ = kind  # argparse names the type in its message
-    return convert
+    return argument_type(kind, name, **bounds)
 
 
 def _one_line(err: BaseException) -> str:
@@ -191,40 +177,48 @@ def _patch_fork(args: argparse.Namespace) -> int:
     from .patching import PatchError
     from .patching.forkpatch import apply_diffs, check_diffs, revert_diffs
 
+    def note(line: str) -> None:  # waiting for the lock; an interrupted transaction finished
+        print(f"megatron-hcp patch: {line}", file=sys.stderr, flush=True)
+
+    locking = {"lock_timeout": args.lock_timeout, "notify": note}
     try:
         if args.patch_command == "check":
-            version, statuses = check_diffs(args.target)
+            version, statuses = check_diffs(args.target, **locking)
             print(f"megatron-core {version} at {args.target}")
             for s in statuses:
                 label = s.file.name if s.file is not None else s.name
                 print(f"  {label:<50} {s.state}"
                       + (f"  ({s.detail.splitlines()[0]})" if s.detail else ""))
             return 0 if all(s.state != "conflicts" for s in statuses) else 1
-        done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(args.target)
+        done = (apply_diffs if args.patch_command == "apply" else revert_diffs)(
+            args.target, **locking)
         verb = "applied" if args.patch_command == "apply" else "reverted"
         print(f"{verb} {len(done)} patch(es)" + (f": {', '.join(done)}" if done else
                                                   " (nothing to do)"))
         return 0
     except PatchError as err:
-        print(f"refused: {err}", file=sys.stderr)
+        print(f"refused: {_one_line(err)}", file=sys.stderr)
         return 2
 
 
 def _read_lengths(path: str) -> list[int]:
-    """The schedule input: a JSON list of integer sequence lengths (nothing coerced)."""
-    from .config import CPConfigError, parse_int
+    """The schedule input: a JSON list of at most ``MAX_SEQUENCES`` integer sequence lengths,
+    each at most ``MAX_SEQ_LENGTH`` (bounded reader; nothing coerced)."""
+    from .bounded_read import InputFileError, read_json
+    from .config import MAX_SEQ_LENGTH, MAX_SEQUENCES, CPConfigError, parse_int
 
     try:
-        with open(path, encoding="utf-8") as f:
-            lengths = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--lengths {path!r}: cannot read a JSON list ({_one_line(err)})"
-                         ) from None
+        lengths = read_json(path, "--lengths")
+    except InputFileError as err:
+        raise UsageError(_one_line(err)) from None
     if not isinstance(lengths, list):
         raise UsageError(f"--lengths {path!r} must hold a JSON list of sequence lengths, "
                          f"got {type(lengths).__name__}")
+    if len(lengths) > MAX_SEQUENCES:
+        raise UsageError(f"--lengths {path!r} holds {len(lengths)} lengths, over the limit of "
+                         f"{MAX_SEQUENCES}; schedule one global batch at a time")
     try:
-        return [parse_int(v, f"lengths[{i}]", minimum=1, text=False)
+        return [parse_int(v, f"lengths[{i}]", minimum=1, maximum=MAX_SEQ_LENGTH, text=False)
                 for i, v in enumerate(lengths)]
     except CPConfigError as err:
         raise UsageError(f"--lengths {path!r}: {err.violations[0]}") from None
@@ -235,8 +229,15 @@ _TWO_LINK_FLAGS = ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_latency_u
 
 
 def _schedule_check(args: argparse.Namespace) -> list[int]:
-    """The schedule input, the link dialect (one link or two classes) and the HCP sizes."""
+    """The schedule input, the link dialect (one link or two classes), the HCP sizes, the
+    head counts and the ``--plot`` path."""
+    if args.plot:
+        _output_file(args.plot)
     lengths = _read_lengths(args.lengths)
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    if kv > args.heads or args.heads % kv:
+        raise UsageError(f"--kv-heads {kv} must divide --heads {args.heads} (query groups "
+                         "share the heads evenly); give a divisor of --heads")
     two_link = [f"--{n.replace('_', '-')}" for n in _TWO_LINK_FLAGS
                 if getattr(args, n) is not None]
     if args.hcp:
@@ -282,6 +283,15 @@ def _dynamic_hcp_a2a_size(args: argparse.Namespace) -> int:
     except CPConfigError as err:
         raise UsageError(_one_line(err)) from None
     return sizes[0]
+
+
+def _output_file(path: str) -> None:
+    from .atomic_write import OutputPathError, check_output_file
+
+    try:
+        check_output_file(path, "--plot")
+    except OutputPathError as err:
+        raise UsageError(str(err)) from None
 
 
 def _levels(size: int, a2a_size: int | None) -> str:
@@ -380,6 +390,16 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_check(args: argparse.Namespace) -> Any:
+    """Every ``plan`` input read and bounded, the ``--plot`` path checked, before planning."""
+    from .planner import command as plan_command
+
+    try:
+        return plan_command.check(args)
+    except ValueError as err:  # PlanInputError, OutputPathError
+        raise UsageError(_one_line(err)) from None
+
+
 def _recipes(args: argparse.Namespace) -> list[Any]:
     """Load (and so validate) every named recipe before anything runs."""
     from .config import CPConfigError
@@ -398,7 +418,29 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
         except CPConfigError as err:
             raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
     args.launch = _launch(args, recipes)
+    if args.functional_command in ("run", "compare"):  # update-golden replaces a bad one
+        _check_goldens(recipes, args.launch.platform)
+    if getattr(args, "plot", None):
+        from .atomic_write import OutputPathError, check_output_dir
+
+        try:
+            check_output_dir(args.plot, "--plot")
+        except OutputPathError as err:
+            raise UsageError(str(err)) from None
     return recipes
+
+
+def _check_goldens(recipes: list[Any], platform: str) -> None:
+    """Each recipe's golden file, read and validated before any rank starts."""
+    from .functional.golden import GoldenError, load_golden
+
+    for recipe in recipes:
+        path = recipe.golden_path(platform=platform)
+        if path.is_file():
+            try:
+                load_golden(path)
+            except GoldenError as err:
+                raise UsageError(_one_line(err)) from None
 
 
 def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
@@ -489,7 +531,7 @@ def _parallel_flags(p: argparse.ArgumentParser, size: Callable[[str], Any], *, t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import CP_COMM_TYPES
+    from .config import CP_COMM_TYPES, LIMITS, MAX_STEPS
     from .planner import command as plan_command
 
     parser = _Parser(prog="megatron-hcp", description=__doc__)
@@ -527,24 +569,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify_groups, check=_verify_kwargs)
 
     p = sub.add_parser("schedule", help="plan dynamic-CP micro-batches for a global batch")
-    posint = _typed("int", minimum=1)
     p.add_argument("--dp-cp", type=size, required=True)
-    p.add_argument("--max-seqlen-per-rank", type=posint, required=True)
+    p.add_argument("--max-seqlen-per-rank", type=_typed("seqlen", "--max-seqlen-per-rank"),
+                   required=True)
     p.add_argument("--min-cp-size", type=size, default=1)
     p.add_argument("--vpp", type=_typed("int", minimum=1, maximum=1024), default=1)
     p.add_argument("--cost", choices=["flops", "seq_squared"], default="flops")
-    p.add_argument("--hidden", type=posint, default=4096)
-    p.add_argument("--layers", type=_typed("int", minimum=0), default=1)
-    p.add_argument("--heads", type=posint, default=32)
-    p.add_argument("--kv-heads", type=posint, default=None)
-    p.add_argument("--ffn", type=posint, default=None)
+    p.add_argument("--hidden", type=_typed("width", "--hidden"), default=4096)
+    p.add_argument("--layers", type=_typed("int", "--layers", minimum=0,
+                                           maximum=LIMITS["layers"]), default=1)
+    p.add_argument("--heads", type=_typed("heads", "--heads"), default=32)
+    p.add_argument("--kv-heads", type=_typed("heads", "--kv-heads"), default=None)
+    p.add_argument("--ffn", type=_typed("width", "--ffn"), default=None)
     p.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (3 matmuls)")
-    p.add_argument("--link-gbps", type=_typed("float", above=0.0), default=None,
+    p.add_argument("--link-gbps", type=_typed("float", above=0.0, maximum=1e6), default=None,
                    help="rank plans by projected step time on ONE link for every group: GB/s "
                         "(with --tflops, --link-latency-us); default: FLOPs makespan")
-    p.add_argument("--link-latency-us", type=_typed("float", minimum=0.0), default=None,
+    latency = _typed("float", minimum=0.0, maximum=1e6)
+    p.add_argument("--link-latency-us", type=latency, default=None,
                    help="with --link-gbps (default 10)")
-    p.add_argument("--tflops", type=_typed("float", above=0.0), default=400.0,
+    p.add_argument("--tflops", type=_typed("float", above=0.0, maximum=1e6), default=400.0,
                    help="achieved TFLOP/s per rank")
     two = p.add_argument_group(
         "two link classes (the planner's flags; any of them ranks by projected step time on a "
@@ -552,13 +596,13 @@ def build_parser() -> argparse.ArgumentParser:
     two.add_argument("--gpus-per-node", type=size, default=None,
                      help="ranks per node (default 8); the ranks are DPxCP ranks of TP 1 - "
                           "with TP > 1 give GPUs per node / TP")
-    two.add_argument("--intra-gbps", type=_typed("float", above=0.0), default=None,
+    two.add_argument("--intra-gbps", type=_typed("float", above=0.0, maximum=1e6), default=None,
                      help="GB/s per GPU inside a node (default 450)")
-    two.add_argument("--inter-gbps", type=_typed("float", above=0.0), default=None,
+    two.add_argument("--inter-gbps", type=_typed("float", above=0.0, maximum=1e6), default=None,
                      help="GB/s per GPU across nodes (default 50)")
-    two.add_argument("--intra-latency-us", type=_typed("float", minimum=0.0), default=None,
+    two.add_argument("--intra-latency-us", type=latency, default=None,
                      help="default 5")
-    two.add_argument("--inter-latency-us", type=_typed("float", minimum=0.0), default=None,
+    two.add_argument("--inter-latency-us", type=latency, default=None,
                      help="default 10")
     two.add_argument("--hierarchical-context-parallel-sizes", "--hcp", dest="hcp", nargs="+",
                      action=_Sizes, default=None, metavar="SIZE",
@@ -574,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank TP/CP/PP/DP, cp_comm_type, HCP sizes and dynamic-CP "
                                     "knobs for a model on a cluster (projected step time, memory)")
     plan_command.add_arguments(p)
-    p.set_defaults(func=plan_command.run)
+    p.set_defaults(func=plan_command.run, check=_plan_check)
 
     patch = sub.add_parser("patch", help="runtime patches of megatron-core")
     patch_sub = patch.add_subparsers(dest="patch_command", required=True)
@@ -588,6 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = patch_sub.add_parser(cmd, help=text)
         p.add_argument("--target", required=True,
                        help="a Megatron-LM checkout or an installed megatron package directory")
+        p.add_argument("--lock-timeout", type=_typed("float", minimum=0.0, maximum=3600.0),
+                       default=10.0, metavar="SECONDS",
+                       help="wait this long for another patch process on the same target "
+                            "(default 10), then refuse naming it")
         p.set_defaults(func=_patch_fork, check=_patch_target)
 
     fn = sub.add_parser("functional", help="functional recipes with golden values (CPU/gloo)")
@@ -637,16 +685,26 @@ def parse_and_check(argv: Sequence[str] | None = None) -> argparse.Namespace | i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; bad input exits 2 with one line on stderr, never a traceback."""
+    """Run the command line; bad input exits 2 with one line on stderr, never a traceback;
+    Ctrl-C exits 130 with one line."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_and_check(argv)
-    if isinstance(args, int):
-        return args
     try:
-        return args.func(args)
-    except UsageError as err:
-        print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        args = parse_and_check(argv)
+        if isinstance(args, int):
+            return args
+        try:
+            return args.func(args)
+        except UsageError as err:
+            print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        print("megatron-hcp: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -31,8 +31,14 @@ __all__ = [
     "DEFAULT_CP_COMM_TYPE",
     "CPConfigError",
     "FIELD_KINDS",
+    "LIMITS",
+    "MAX_INT",
     "MAX_RANKS",
+    "MAX_SEQUENCES",
+    "MAX_SEQ_LENGTH",
+    "MAX_STEPS",
     "Violation",
+    "argument_type",
     "comm_type_or_default",
     "is_power_of_two",
     "parse_bool",
@@ -239,14 +245,19 @@ class CPConfig:
                 parse_version(self.te_version, "te_version")
             except CPConfigError as err:
                 out.extend(err.violations)
-        for name in ("num_attention_heads", "num_query_groups", "num_layers", "seq_length"):
+        for name in ("num_attention_heads", "num_query_groups", "num_layers", "seq_length",
+                     "max_seqlen_per_dp_cp_rank"):
             value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                out.append(
-                    Violation(name, value, "must be a positive integer", f"set {name} >= 1")
-                )
+            limit = LIMITS[FIELD_KINDS[name].lstrip("?")]
+            if value is None or name == "max_seqlen_per_dp_cp_rank" and not self.dynamic:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                if name != "max_seqlen_per_dp_cp_rank":  # _check_dynamic says it for the cap
+                    out.append(Violation(name, value, "must be a positive integer",
+                                         f"set {name} >= 1"))
+            elif value > limit:
+                out.append(Violation(name, value, f"must be <= {limit}",
+                                     f"set {name} <= {limit}"))
         if self.cp_attention_backend not in ("auto", "te", "reference"):
             out.append(
                 Violation(
@@ -579,6 +590,27 @@ class CPConfig:
         """Dynamic CP on (``hybrid_context_parallel`` is megatron-core 0.16's name for it)."""
         return bool(self.dynamic_context_parallel or self.hybrid_context_parallel)
 
+    def _per_token_violations(self) -> list[Violation]:
+        """The modes that need per-token loss, when it is turned off."""
+        if self.calculate_per_token_loss is False and self.dynamic:
+            return [Violation(
+                "calculate_per_token_loss", False,
+                "dynamic CP needs per-token loss: micro-batches hold different token counts, so "
+                "averaging per micro-batch would weight tokens unequally",
+                "set calculate_per_token_loss=True (the default with dynamic CP)")]
+        return []
+
+    def per_token_loss(self) -> bool:
+        """True: the loss is averaged over the tokens of the global batch
+        (``calculate_per_token_loss`` True, or unset: this project's default); False: per
+        micro-batch, over its tokens on the whole CP group (megatron's
+        ``calculate_per_token_loss=False``). Raises :class:`CPConfigError` where a mode needs
+        per-token loss (dynamic CP)."""
+        problems = self._per_token_violations()
+        if problems:
+            raise CPConfigError(problems)
+        return self.calculate_per_token_loss is not False
+
     def _check_dynamic(self, out: list[Violation], advice: list[str]) -> None:
         if self.hybrid_context_parallel:
             advice.append(
@@ -587,12 +619,7 @@ class CPConfig:
             )
         if not self.dynamic:
             return
-        if self.calculate_per_token_loss is False:
-            out.append(Violation(
-                "calculate_per_token_loss", False,
-                "dynamic CP needs per-token loss: micro-batches hold different token counts, so "
-                "averaging per micro-batch would weight tokens unequally",
-                "set calculate_per_token_loss=True (the default with dynamic CP)"))
+        out.extend(self._per_token_violations())
         if self.enable_cuda_graph or self.cuda_graph_impl not in ("none", None):
             out.append(Violation(
                 "cuda_graph_impl", self.cuda_graph_impl if self.cuda_graph_impl != "none"
@@ -723,6 +750,27 @@ class CPConfig:
 MAX_RANKS = 1 << 17
 """Upper bound of every size and world size (131072 ranks): beyond it rank lists exhaust
 memory before anything useful happens."""
+MAX_SEQ_LENGTH = 1 << 26
+"""Tokens in one sequence or on one rank (64 Mi)."""
+MAX_SEQUENCES = 1 << 16
+"""Sequences in one global batch or one schedule input (65536; measured: the scheduler plans
+10000 sequences in ~1 s and 100000 in ~25 s on this 2-core VM)."""
+MAX_STEPS = 100_000
+"""Training steps of one run, and the steps a golden-values file may cover."""
+MAX_INT = (1 << 63) - 1
+"""Every other integer is an int64 (larger ones overflow floats and tensors)."""
+# parse_value kinds with their bounds (1..limit): every count a user gives is bounded
+LIMITS: dict[str, int] = {
+    "size": MAX_RANKS,
+    "seqlen": MAX_SEQ_LENGTH,
+    "layers": 1 << 12,
+    "heads": 1 << 14,
+    "width": 1 << 20,  # hidden, FFN and head sizes
+    "vocab": 1 << 24,
+    "steps": MAX_STEPS,
+    "sequences": MAX_SEQUENCES,
+    "posint": MAX_INT,
+}
 
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 _VERSION_TEXT = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc|\.post|\.dev)[0-9]+)*(\+[A-Za-z0-9.]+)?")
@@ -737,13 +785,13 @@ FIELD_KINDS: dict[str, str] = {
     "tensor_model_parallel_size": "size",
     "pipeline_model_parallel_size": "size",
     "data_parallel_size": "size",
-    "num_attention_heads": "?posint",
-    "num_query_groups": "?posint",
-    "num_layers": "?posint",
-    "seq_length": "?posint",
+    "num_attention_heads": "?heads",
+    "num_query_groups": "?heads",
+    "num_layers": "?layers",
+    "seq_length": "?seqlen",
     "dynamic_context_parallel": "bool",
     "min_dynamic_context_parallel_size": "size",
-    "max_seqlen_per_dp_cp_rank": "?posint",
+    "max_seqlen_per_dp_cp_rank": "?seqlen",
     "hybrid_context_parallel": "bool",
     "calculate_per_token_loss": "?bool",
     "cuda_graph_impl": "str",
@@ -773,18 +821,32 @@ def parse_int(value: Any, name: str, *, minimum: int | None = None,
         raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
     if maximum is not None and value > maximum:
         raise _bad(name, value, f"must be <= {maximum}", f"use a value <= {maximum}")
+    if abs(value) > MAX_INT:
+        raise _bad(name, _short(value), f"must be within +-{MAX_INT} (int64)",
+                   "use a smaller number")
     return value
 
 
+def _short(value: int) -> str:
+    """An integer too long to show whole (Python refuses to print more than 4300 digits)."""
+    digits = len(str(abs(value))) if value.bit_length() < 14000 else None
+    return f"an integer of {digits or 'over 4000'} digits"
+
+
 def parse_float(value: Any, name: str, *, minimum: float | None = None,
-                above: float | None = None) -> float:
-    """A finite number from an int, a float or its text (never a bool); ``minimum`` inclusive,
-    ``above`` exclusive."""
+                above: float | None = None, maximum: float | None = None) -> float:
+    """A finite number from an int, a float or its text (never a bool); ``minimum`` and
+    ``maximum`` inclusive, ``above`` exclusive."""
     if isinstance(value, str):
         try:
             value = float(value.strip())
         except ValueError:
             pass
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
             value):
         raise _bad(name, value, "must be a finite number", f"give {name} a number, e.g. 1.5")
@@ -792,6 +854,8 @@ def parse_float(value: Any, name: str, *, minimum: float | None = None,
         raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
     if above is not None and value <= above:
         raise _bad(name, value, f"must be > {above}", f"use a value > {above}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, value, f"must be <= {maximum:g}", f"use a value <= {maximum:g}")
     return float(value)
 
 
@@ -830,7 +894,8 @@ def _items(value: Any, name: str) -> list[Any]:
 def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
     """The one strict value parser: ``raw`` (text, or a YAML/JSON value) as ``kind``.
 
-    Kinds: ``int``, ``posint`` (>= 1), ``size`` (1..:data:`MAX_RANKS`), ``float``, ``bool``,
+    Kinds: ``int`` (int64), the bounded counts of :data:`LIMITS` (``posint``, ``size``
+    (1..:data:`MAX_RANKS`), ``seqlen``, ``layers``, ``heads``, ``width``, ...), ``float``, ``bool``,
     ``version``, ``str``, ``sizes``/``strs`` (lists, ``[2,2]`` or ``2,2``); a ``?`` prefix also
     accepts ``none``/``null``. ``literal`` (untyped settings): true/false, integers, ``none``,
     lists, else the text. Raises :class:`CPConfigError` naming ``name``, the value, the rule
@@ -842,10 +907,8 @@ def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
         kind = kind[1:]
     if kind == "int":
         return parse_int(raw, name)
-    if kind == "posint":
-        return parse_int(raw, name, minimum=1)
-    if kind == "size":
-        return parse_int(raw, name, minimum=1, maximum=MAX_RANKS)
+    if kind in LIMITS:
+        return parse_int(raw, name, minimum=1, maximum=LIMITS[kind])
     if kind == "float":
         return parse_float(raw, name)
     if kind == "bool":
@@ -882,3 +945,25 @@ def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
             return [parse_value(p, "literal", name) for p in _items(text, name)]
         return text
     raise ValueError(f"parse_value: unknown kind {kind!r}")
+
+
+def argument_type(kind: str, name: str = "the value", **bounds: Any) -> Any:
+    """An argparse ``type`` reading a command-line value with the one strict parser: ``int``
+    and ``float`` take ``minimum`` / ``maximum`` (and ``above`` for floats), other kinds are
+    :func:`parse_value`'s. A bad value is argparse's one-line error naming the rule and fix."""
+    import argparse
+
+    def convert(text: str) -> Any:
+        try:
+            if kind == "int":
+                return parse_int(text, name, **bounds)
+            if kind == "float":
+                return parse_float(text, name, **bounds)
+            return parse_value(text, kind, name)
+        except CPConfigError as err:
+            v = err.violations[0]
+            raise argparse.ArgumentTypeError(f"{v.parameter}={v.value!r} {v.rule}; {v.fix}"
+                                             ) from None
+
+    convert.__name__ = kind  # argparse names the type in its message
+    return convert

@@ -82,29 +82,65 @@ def _uses_a2a_p2p(comm: Any) -> bool:
 
 def cp_config_from_model_config(model_config: Any, world_size: int | None = None) -> CPConfig:
     """The CP-relevant fields of a Bridge/megatron model config on ``world_size`` ranks
-    (default: one data-parallel replica)."""
-    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
+    (default: one data-parallel replica), read strictly: a size must be an integer >= 1 (never
+    a float, a string or a bool; a missing or ``None`` size is megatron's default 1), the
+    hierarchical sizes a list of such integers; every bad field is one violation of the
+    :class:`CPConfigError` (field, value, rule, fix), raised before anything is built."""
+    from ..config import LIMITS, MAX_RANKS, parse_int
+
+    problems: list[Violation] = []
+
+    def strict(name: str, kind: str, default: int | None) -> int | None:
+        value = getattr(model_config, name, default)
+        if value is None:
+            return default
+        try:
+            return parse_int(value, name, minimum=1, maximum=LIMITS[kind], text=False)
+        except CPConfigError as err:
+            problems.extend(err.violations)
+            return default
+
+    tp = strict("tensor_model_parallel_size", "size", 1)
+    pp = strict("pipeline_model_parallel_size", "size", 1)
+    cp = strict("context_parallel_size", "size", 1)
+    shape = {name: strict(name, kind, None) for name, kind in (
+        ("num_attention_heads", "heads"), ("num_query_groups", "heads"),
+        ("num_layers", "layers"), ("seq_length", "seqlen"))}
+    sizes = getattr(model_config, "hierarchical_context_parallel_sizes", None)
+    if sizes is not None:
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            problems.append(Violation(
+                "hierarchical_context_parallel_sizes", sizes,
+                "must be a list of integers [a2a, p2p]",
+                "set e.g. hierarchical_context_parallel_sizes=[2, 2]"))
+            sizes = None
+        else:
+            try:
+                sizes = [parse_int(v, f"hierarchical_context_parallel_sizes[{i}]", minimum=1,
+                                   maximum=MAX_RANKS, text=False) for i, v in enumerate(sizes)]
+            except CPConfigError as err:
+                problems.extend(err.violations)
+                sizes = None
+    assert tp is not None and pp is not None and cp is not None
     if world_size is None:
         world_size = tp * cp * pp
-    if world_size % (tp * cp * pp):
-        raise CPConfigError([Violation(
+    elif not problems and world_size % (tp * cp * pp):
+        problems.append(Violation(
             "context_parallel_size", cp,
             f"tp*cp*pp={tp * cp * pp} must divide the world size {world_size}",
-            "change tensor/context/pipeline_model_parallel_size or the number of ranks")])
-    sizes = getattr(model_config, "hierarchical_context_parallel_sizes", None)
+            "change tensor/context/pipeline_model_parallel_size or the number of ranks"))
+    if problems:
+        raise CPConfigError(problems)
+    comm = getattr(model_config, "cp_comm_type", None)
     return CPConfig(
         context_parallel_size=cp,
-        cp_comm_type=getattr(model_config, "cp_comm_type", None),
-        hierarchical_context_parallel_sizes=list(sizes) if sizes is not None else None,
+        cp_comm_type=list(comm) if isinstance(comm, Sequence) and not isinstance(comm, str)
+        else comm,
+        hierarchical_context_parallel_sizes=sizes,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         data_parallel_size=world_size // (tp * cp * pp),
-        num_attention_heads=getattr(model_config, "num_attention_heads", None),
-        num_query_groups=getattr(model_config, "num_query_groups", None),
-        num_layers=getattr(model_config, "num_layers", None),
-        seq_length=getattr(model_config, "seq_length", None),
+        **shape,
     )
 
 
@@ -164,11 +200,12 @@ def _make_create_pg_collection(original: Callable) -> Callable:
         config = (prepared if prepared is not None and prepared.world_size == world
                   else cp_config_from_model_config(model_config, world))
         problems = []
-        if num_distributed_optimizer_instances > 1:
+        instances = num_distributed_optimizer_instances
+        if not isinstance(instances, int) or isinstance(instances, bool) or instances != 1:
             problems.append(Violation(
-                "num_distributed_optimizer_instances", num_distributed_optimizer_instances,
-                "hierarchical CP on the decentralized path builds one distributed-optimizer "
-                "instance", "set ddp.num_distributed_optimizer_instances=1"))
+                "num_distributed_optimizer_instances", instances,
+                "must be the integer 1: hierarchical CP on the decentralized path builds one "
+                "distributed-optimizer instance", "set ddp.num_distributed_optimizer_instances=1"))
         if save_grid and not grid_views_available():
             problems.append(Violation(
                 "save_grid", save_grid, "with hierarchical CP this megatron-core (no "

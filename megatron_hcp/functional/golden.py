@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..atomic_write import reclaim_temps, write_atomic
+from ..bounded_read import InputFileError, read_json
+from ..config import MAX_INT, MAX_STEPS
 
 __all__ = ["GATED", "MIN_FRACTION", "Comparison", "GoldenError", "compare", "golden_steps",
            "load_golden", "replace_golden", "to_golden", "validate_golden", "write_golden"]
@@ -33,6 +35,7 @@ GATED = {"lm loss": 0.05, "num-zeros": 0.20}
 REPORTED = ("iteration-time", "mem-allocated-bytes")
 MIN_FRACTION = 0.95
 METRICS = ("lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes")
+MAX_GOLDEN_BYTES = 8 << 20  # 4 metrics x MAX_STEPS steps fit in a few MB
 
 
 class GoldenError(ValueError):
@@ -40,8 +43,9 @@ class GoldenError(ValueError):
 
 
 def _finite_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return abs(value) <= MAX_INT if isinstance(value, int) else math.isfinite(value)
 
 
 def golden_steps(block: Mapping) -> list[int]:
@@ -67,6 +71,10 @@ def validate_golden(golden: Any, where: str = "golden values") -> dict[str, dict
             value = block.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GoldenError(f"{where}: {name!r} {key}={value!r} must be an integer >= 1")
+            if value > MAX_STEPS:
+                raise GoldenError(f"{where}: {name!r} {key}={value} is over the limit of "
+                                  f"{MAX_STEPS} steps; regenerate it with `megatron-hcp "
+                                  "functional update-golden NAME`")
         if block["end_step"] < block["start_step"]:
             raise GoldenError(f"{where}: {name!r} end_step={block['end_step']} < "
                               f"start_step={block['start_step']}")
@@ -85,18 +93,13 @@ def validate_golden(golden: Any, where: str = "golden values") -> dict[str, dict
     return golden
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a number in standard JSON")
-
-
 def load_golden(path: Path) -> dict[str, dict]:
     """Read and validate a golden file (plain JSON: NaN/Infinity are refused)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        golden = json.loads(text, parse_constant=_no_constants)
-    except (OSError, ValueError) as err:
-        raise GoldenError(f"{path}: cannot read golden values ({' '.join(str(err).split())})"
-                          ) from None
+        golden = read_json(path, "golden values", max_bytes=MAX_GOLDEN_BYTES)
+    except InputFileError as err:
+        raise GoldenError(f"{path}: cannot read golden values ({err.rule}); regenerate it "
+                          "with `megatron-hcp functional update-golden NAME`") from None
     return validate_golden(golden, str(path))
 
 
@@ -128,25 +131,13 @@ def _check_run(metrics: Mapping[str, Mapping[Any, float]], steps: int) -> None:
 
 
 def write_golden(path: Path, metrics: dict[str, dict[Any, float]]) -> dict[str, dict]:
-    """Write ``metrics`` as golden values atomically: temporary file, fsync, rename, fsync dir."""
+    """Write ``metrics`` as golden values atomically (:func:`~..atomic_write.write_atomic`:
+    a temporary file named after this process, fsync, rename, fsync dir); temporary files of
+    an earlier, interrupted write are removed first."""
     golden = validate_golden(to_golden(metrics), "new golden values")
     path = Path(path)
-    text = json.dumps(golden, indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    reclaim_temps(path)
+    write_atomic(path, json.dumps(golden, indent=2, allow_nan=False) + "\n")
     return golden
 
 

@@ -8,7 +8,6 @@ metrics rank 0 wrote. ``check_recipe`` runs everything a recipe's CI job checks.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..atomic_write import reclaim_temps
+from ..bounded_read import read_json
 from .bridge_recipe import BridgeRecipe
 from .golden import Comparison, compare, load_golden, replace_golden
 from .launch import Launch
@@ -71,10 +72,14 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) as proc:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                log.append(line)
-                if echo is not None and line.startswith("[") and "] step " in line:
-                    echo(line.rstrip())
+            try:
+                for line in proc.stdout:
+                    log.append(line)
+                    if echo is not None and line.startswith("[") and "] step " in line:
+                        echo(line.rstrip())
+            except KeyboardInterrupt:  # Ctrl-C: torchrun stops its ranks, then we go
+                _stop(proc)
+                raise
             code = proc.wait()
         if code == 0 and not launch.checks_results:
             return {}
@@ -83,8 +88,22 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
             tail = "".join(errors[:3]) + "".join(log[-40:])
             raise RecipeRunError(f"{recipe.name}{' (CP=1)' if cp1 else ''} failed with exit "
                                  f"code {code}; last lines:\n{tail}")
-        raw = json.loads(out.read_text(encoding="utf-8"))
+        raw = read_json(out, "rank 0's metrics", finite=False)  # a diverged run has NaN
     return {name: {int(k): float(v) for k, v in values.items()} for name, values in raw.items()}
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End torchrun and its ranks after Ctrl-C (a terminal's SIGINT reached them too; a
+    SIGINT sent to this process alone did not): SIGINT, then SIGKILL after ``grace`` s."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def max_rel_deviation(run: dict[int, float], reference: dict[int, float],
@@ -225,6 +244,7 @@ def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = 
     refused by :func:`~.golden.replace_golden`; either way the golden file is untouched."""
     recipe = _recipe(recipe)
     launch = launch or Launch()
+    reclaim_temps(recipe.golden_path(platform=launch.platform))  # of an interrupted run
     metrics = run_recipe(recipe, echo=echo, launch=launch)
     if not launch.checks_results:
         return [f"{recipe.name}: node {launch.node_rank} ran; node 0 writes the golden values"]

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "Launch", "LaunchError", "PLATFORMS", "default_platform",
-           "detect_platform", "require_runnable"]
+__all__ = ["BACKENDS", "MAX_RANKS_PER_NODE", "Launch", "LaunchError", "PLATFORMS",
+           "default_platform", "detect_platform", "require_runnable"]
 
 BACKENDS = {"cpu_gloo": "gloo", "gpu_nccl": "nccl"}
+MAX_RANKS_PER_NODE = 64  # processes torchrun starts on one node
 PLATFORMS = tuple(BACKENDS)
 
 
@@ -78,6 +79,10 @@ class Launch:
         if self.nnodes < 1 or nproc % self.nnodes:
             raise LaunchError(f"--nnodes {self.nnodes}: must divide the recipe's {nproc} ranks; "
                               f"use a divisor of {nproc}")
+        if nproc // self.nnodes > MAX_RANKS_PER_NODE:
+            raise LaunchError(f"the recipe's {nproc} ranks on --nnodes {self.nnodes} would "
+                              f"start {nproc // self.nnodes} processes per node, over the limit "
+                              f"of {MAX_RANKS_PER_NODE}; use more nodes or a smaller NPROC")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank {self.node_rank}: must be in 0..{self.nnodes - 1} "
                               f"(--nnodes {self.nnodes}); give this node's index")

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..bounded_read import InputFileError, read_yaml
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
 from ..data import data_dir
 from ..training.data import CORPORA
@@ -48,19 +47,19 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # flag -> (field, parse_value kind): a CPConfig field (CP, parallel sizes and the model shape the
 # CP rules read; its kind is CPConfig's own), a TinyGPTSpec field, or None (accepted, fixed or
 # handled below). Each flag maps to one field, once.
-_INT, _FLOAT, _BOOL = "posint", "float", "bool"
+_FLOAT, _BOOL = "float", "bool"
 _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
-    "--hidden-size": ("hidden_size", _INT),
-    "--micro-batch-size": ("micro_batch_size", _INT),
-    "--global-batch-size": ("global_batch_size", _INT),
-    "--train-iters": ("steps", _INT),
+    "--hidden-size": ("hidden_size", "width"),
+    "--micro-batch-size": ("micro_batch_size", "sequences"),
+    "--global-batch-size": ("global_batch_size", "sequences"),
+    "--train-iters": ("steps", "steps"),
     "--lr": ("lr", _FLOAT),
-    "--seed": ("seed", _INT),
-    "--vocab-size": ("vocab_size", _INT),
-    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", _INT),
+    "--seed": ("seed", "posint"),
+    "--vocab-size": ("vocab_size", "vocab"),
+    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", "layers"),
     "--sequence-parallel": ("sequence_parallel", _BOOL),
     "--group-query-attention": (None, _BOOL),
-    "--max-position-embeddings": (None, _INT),
+    "--max-position-embeddings": (None, "seqlen"),  # GPTModel's max_sequence_length
     "--tokenizer-type": (None, "str"),
     "--untie-embeddings-and-output-weights": (None, _BOOL),
     "--position-embedding-type": (None, "str"),
@@ -68,11 +67,11 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--use-decentralized-pg": (None, _BOOL),
     # variable-length mock data (upstream: lognormal, min 128 / max 2048 / mean 512 / sigma 1.2)
     "--mock-variable-seq-lengths": (None, _BOOL),
-    "--mock-min-seqlen": (None, _INT),
-    "--mock-max-seqlen": (None, _INT),
+    "--mock-min-seqlen": (None, "seqlen"),
+    "--mock-max-seqlen": (None, "seqlen"),
     "--mock-mean-seqlen": (None, _FLOAT),
     "--mock-seqlen-sigma": (None, _FLOAT),
-    "--mock-samples-per-micro-batch": (None, _INT),
+    "--mock-samples-per-micro-batch": (None, "sequences"),
     "--mock-corpus": (None, "str"),  # motif (default) or markov: a corpus the model learns
 }
 _CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "seq_length",
@@ -85,7 +84,53 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     **{f"--{name.replace('_', '-')}": (name, FIELD_KINDS[name]) for name in _CP_RECIPE_FIELDS},
     **_SPEC_FLAGS,
 }
-_FIXED = {"--tokenizer-type": "NullTokenizer", "--position-embedding-type": "rope"}
+# flags with the one value this harness runs (any other is refused)
+_FIXED = {"--tokenizer-type": "NullTokenizer", "--position-embedding-type": "rope",
+          "--mock-data": True}
+_VARLEN_FLAGS = ("--mock-min-seqlen", "--mock-max-seqlen", "--mock-mean-seqlen",
+                 "--mock-seqlen-sigma", "--mock-samples-per-micro-batch", "--mock-corpus")
+_DYNAMIC_FLAGS = ("--min-dynamic-context-parallel-size", "--max-seqlen-per-dp-cp-rank")
+
+
+def _combinations(values: dict[str, Any]) -> list[Violation]:
+    """Flags that would be accepted and then do nothing in this combination: refused."""
+    out = []
+    varlen = values.get("--mock-variable-seq-lengths") is True
+    for flag in _VARLEN_FLAGS:
+        if flag in values and not varlen:
+            out.append(Violation(flag, values[flag], "only applies to variable-length mock data",
+                                 "add --mock-variable-seq-lengths: true, or remove the flag"))
+    if varlen and values.get("--micro-batch-size", 1) != 1:
+        out.append(Violation(
+            "--micro-batch-size", values["--micro-batch-size"],
+            "with variable-length data a micro-batch is one packed sequence of "
+            "--mock-samples-per-micro-batch samples", "set --micro-batch-size: 1 and "
+            "--mock-samples-per-micro-batch: N"))
+    dynamic = values.get("--dynamic-context-parallel") is True or values.get(
+        "--hybrid-context-parallel") is True
+    for flag in _DYNAMIC_FLAGS:
+        if flag in values and values[flag] is not None and not dynamic:
+            out.append(Violation(flag, values[flag], "only applies to dynamic context "
+                                 "parallelism", "add --dynamic-context-parallel: true, or "
+                                 "remove the flag"))
+    gqa = values.get("--group-query-attention")
+    if gqa is True and values.get("--num-query-groups") is None:
+        out.append(Violation("--group-query-attention", True, "needs --num-query-groups "
+                             "(megatron would use 1 query group)", "add --num-query-groups: N"))
+    if gqa is not True and values.get("--num-query-groups") is not None:
+        out.append(Violation(
+            "--num-query-groups", values["--num-query-groups"],
+            "takes effect only with --group-query-attention: true (megatron runs plain "
+            "multi-head attention without it)", "add --group-query-attention: true, or remove "
+            "--num-query-groups"))
+    limit = values.get("--max-position-embeddings")
+    longest = (values.get("--mock-max-seqlen", 256) if varlen
+               else values.get("--seq-length"))
+    if limit is not None and longest is not None and limit < longest:
+        out.append(Violation("--max-position-embeddings", limit,
+                             f"must be >= the longest sequence ({longest} tokens)",
+                             f"set it to at least {longest}"))
+    return out
 
 
 @dataclass
@@ -134,7 +179,10 @@ class Recipe:
             hybrid_context_parallel=False, max_seqlen_per_dp_cp_rank=None,
             data_parallel_size=self.config.data_parallel_size * cp)
         varlen = self.spec.varlen
-        if varlen is not None:  # one sample per micro-batch: enough micro-batches for VPP
+        if varlen is not None and self.config.per_token_loss():
+            # one sample per micro-batch: enough micro-batches for VPP (a per-token loss does
+            # not depend on how samples are packed; a loss per micro-batch does, so then the
+            # packing is kept)
             varlen = dataclasses.replace(varlen, samples_per_micro_batch=1)
         spec = dataclasses.replace(self.spec, config=config, varlen=varlen)
         return dataclasses.replace(self, name=self.name + "@cp1", spec=spec)
@@ -174,12 +222,9 @@ def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        detail = " ".join(str(err).split())
-        raise CPConfigError([Violation(str(path), None, f"is not plain YAML ({detail})",
-                                       "write plain YAML (no Python tags)")]) from None
+        doc = read_yaml(path, "recipe")
+    except InputFileError as err:
+        raise CPConfigError([Violation(str(path), None, err.rule, err.fix)]) from None
     doc = {} if doc is None else doc
     if not isinstance(doc, dict):
         raise CPConfigError([Violation(str(path), type(doc).__name__, "must be a YAML mapping",
@@ -229,8 +274,10 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
             values[flag] = _convert(flag, raw, _FLAGS[flag][1])
         except CPConfigError as err:
             problems.extend(err.violations)
-    problems += [Violation(f, values[f], f"must be {want} on {PLATFORM}", f"set {f} {want}")
+    problems += [Violation(f, values[f], f"must be {want} on {PLATFORM} (this harness runs "
+                           "only that)", f"set {f} {want}")
                  for f, want in _FIXED.items() if f in values and values[f] != want]
+    problems += _combinations(values)
     if problems:
         raise CPConfigError(problems)
     spec_kwargs: dict[str, Any] = {}
@@ -241,6 +288,8 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
             cfg_kwargs[name] = value
         elif name is not None:
             spec_kwargs[name] = value
+    if "--max-position-embeddings" in values:
+        spec_kwargs["max_position_embeddings"] = values["--max-position-embeddings"]
     if values.get("--untie-embeddings-and-output-weights") is not True:
         spec_kwargs["share_embeddings_and_output_weights"] = True
     corpus = values.get("--mock-corpus", "motif")

@@ -3,8 +3,9 @@
 One diff per named runtime patch that a version needs (same names as ``megatron-hcp patch
 list``), applied to a Megatron-LM checkout or an installed ``megatron`` package directory by this
 module's own diff engine (no git: a target inside another git work tree is patched like any
-other) as a transaction: every file or none, with a byte-for-byte verified rollback, and a
-read-back check that the files carry the change before "applied" is said. ``check`` reports
+other) as a transaction (:mod:`.transaction`: a lock per target, a journal written before the
+first change, recovery of an interrupted transaction by the next apply, revert or check), and
+a read-back check that the files carry the change before "applied" is said. ``check`` reports
 every patch of the series for the target's version: applied, applicable or conflicting where a
 diff was written for it, else "fixed upstream in X" or "not written for this version";
 ``apply``/``revert`` refuse a megatron-core version no diffs were written for and refuse to
@@ -15,13 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic_write import Step
 from ..data import data_dir
 from .registry import Patch, PatchError, version_key
+from .transaction import (
+    DEFAULT_LOCK_TIMEOUT,
+    JOURNAL_DIR,
+    Notify,
+    recover,
+    run_transaction,
+    target_lock,
+)
 
 __all__ = ["SERIES", "PATCHES_DIR", "PatchStatus", "applied_in_source", "apply_diffs",
            "check_diffs", "diff_digest", "megatron_package_dir", "read_header", "revert_diffs",
@@ -265,47 +274,6 @@ def _read(file: Path) -> str | None:
     return file.read_text(encoding="utf-8") if file.is_file() else None
 
 
-def _write(file: Path, content: str | None) -> None:
-    """Write (temp file, fsync, rename) or, for None, remove ``file``."""
-    if content is None:
-        file.unlink(missing_ok=True)
-        return
-    tmp = file.with_name(f".{file.name}.megatron-hcp.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
-
-
-def _transaction(root: Path, changes: dict[str, str | None], what: str) -> None:
-    """Write every changed file, or none: on any failure every file is restored from its backup
-    and checked byte for byte. Afterwards each file is read back and compared."""
-    backups = {path: _read(root / path) for path in changes}
-    touched: list[str] = []
-    try:
-        for path, content in changes.items():
-            touched.append(path)
-            _write(root / path, content)
-        for path, content in changes.items():
-            if _read(root / path) != content:
-                raise OSError(f"{path} does not read back as written")
-    except Exception as err:  # noqa: BLE001 - roll back whatever failed
-        lost = []
-        for path in reversed(touched):
-            try:
-                _write(root / path, backups[path])
-                if _read(root / path) != backups[path]:
-                    raise OSError("differs from the backup after restoring")
-            except Exception as restore_err:  # noqa: BLE001
-                lost.append(f"{path} ({restore_err})")
-        if lost:
-            raise PatchError(f"{what} failed ({err}) and these files could NOT be restored: "
-                             f"{'; '.join(lost)}") from err
-        raise PatchError(f"{what} failed ({err}); nothing was changed (every file restored "
-                         "and verified byte for byte)") from err
-
-
 def _simulate(root: Path, files: list[Path], reverse: bool,
               state: dict[str, str | None] | None = None) -> dict[str, str | None]:
     """New contents after applying (or reverting) ``files`` in order, in memory."""
@@ -339,15 +307,36 @@ class PatchStatus:
         return self.file is not None
 
 
-def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
-    """(version, status of every patch of the series) for a target; never writes.
+def check_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+                notify: Notify | None = None, on_step: Step | None = None
+                ) -> tuple[str, list[PatchStatus]]:
+    """(version, status of every patch of the series) for a target; writes no patched file.
 
     Patches with a diff for the target's version are applied, applicable or conflicting; the
-    others are "fixed upstream in X" or "not written for this version".
-    """
+    others are "fixed upstream in X" or "not written for this version". Runs under the
+    target's lock and first finishes an interrupted transaction (``notify`` hears which); a
+    target this process cannot write to is read without the lock when nobody holds it."""
+    root = target_root(path)
+    with target_lock(root / "megatron", timeout=lock_timeout, notify=notify,
+                     read_only_ok=True) as locked:
+        if locked:
+            _recover(root, notify, on_step)
+        elif (root / "megatron" / JOURNAL_DIR).exists():
+            raise PatchError(f"{root}: an interrupted patch transaction left a journal, and "
+                             "this process cannot write there to finish it; run patch check "
+                             "as a user who can write to the target")
+        return _check(root)
+
+
+def _recover(root: Path, notify: Notify | None, on_step: Step | None) -> None:
+    message = recover(root, on_step=on_step)
+    if message and notify is not None:
+        notify(message)
+
+
+def _check(root: Path) -> tuple[str, list[PatchStatus]]:
     from . import by_name
 
-    root = target_root(path)
     version = target_version(root)
     files = {read_header(f).get("Patch-Name", f.stem): f for f in _series(version)}
     out = []
@@ -371,15 +360,24 @@ def check_diffs(path: str | Path) -> tuple[str, list[PatchStatus]]:
     return version, out
 
 
-def apply_diffs(path: str | Path) -> list[str]:
+def apply_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+                notify: Notify | None = None, on_step: Step | None = None) -> list[str]:
     """Apply every not-yet-applied diff as one transaction; return their names.
 
-    Refuses (changing nothing) when any diff conflicts. Every file is written or none is, and
-    is read back afterwards; then the target is checked again: each applied diff must be found
-    in the files (its changes and its ``megatron-hcp <name>`` markers)."""
+    Refuses (changing nothing) when any diff conflicts. Runs under the target's lock and first
+    finishes an interrupted transaction (:mod:`.transaction`); every file is written or none
+    is (journal first), and is read back afterwards; then the target is checked again: each
+    applied diff must be found in the files (its changes and its ``megatron-hcp <name>``
+    markers). ``on_step`` is called before every write (fault injection)."""
     root = target_root(path)
     _require_series(target_version(root))
-    version, statuses = check_diffs(root)
+    with target_lock(root / "megatron", timeout=lock_timeout, notify=notify):
+        _recover(root, notify, on_step)
+        return _apply(root, on_step)
+
+
+def _apply(root: Path, on_step: Step | None) -> list[str]:
+    version, statuses = _check(root)
     bad = [s for s in statuses if s.state == "conflicts"]
     if bad:
         raise PatchError(f"megatron-core {version} at {root}: "
@@ -391,19 +389,27 @@ def apply_diffs(path: str | Path) -> list[str]:
             changes = _simulate(root, [s.file for s in todo], reverse=False)
         except _Conflict as err:  # two diffs overlap in a way the check could not see
             raise PatchError(f"{err} - nothing was changed") from err
-        _transaction(root, changes, "patch apply")
+        run_transaction(root, changes, "patch apply", [s.name for s in todo], on_step=on_step)
         _verify(root, todo, "applied")
     return [s.name for s in todo]
 
 
-def revert_diffs(path: str | Path) -> list[str]:
+def revert_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+                 notify: Notify | None = None, on_step: Step | None = None) -> list[str]:
     """Revert every applied diff (newest first) as one transaction; return their names.
 
     A diff whose region was edited since it was applied (state "conflicts") makes the whole
-    revert refuse, naming the file, before anything is written."""
+    revert refuse, naming the file, before anything is written. Lock, recovery and journal
+    as :func:`apply_diffs`."""
     root = target_root(path)
     _require_series(target_version(root))
-    version, statuses = check_diffs(root)
+    with target_lock(root / "megatron", timeout=lock_timeout, notify=notify):
+        _recover(root, notify, on_step)
+        return _revert(root, on_step)
+
+
+def _revert(root: Path, on_step: Step | None) -> list[str]:
+    version, statuses = _check(root)
     bad = [s for s in statuses if s.state == "conflicts"]
     if bad:
         raise PatchError(f"megatron-core {version} at {root}: cannot revert "
@@ -416,14 +422,15 @@ def revert_diffs(path: str | Path) -> list[str]:
             changes = _simulate(root, [s.file for s in applied], reverse=True)
         except _Conflict as err:
             raise PatchError(f"{err} - nothing was changed") from err
-        _transaction(root, changes, "patch revert")
+        run_transaction(root, changes, "patch revert", [s.name for s in applied],
+                        on_step=on_step)
         _verify(root, applied, "applicable")
     return [s.name for s in applied]
 
 
 def _verify(root: Path, done: list[PatchStatus], want: str) -> None:
     """After a transaction: every diff it handled is now in state ``want`` when read back."""
-    _, after = check_diffs(root)
+    _, after = _check(root)
     state = {s.name: s.state for s in after}
     wrong = [f"{s.name} is {state[s.name]}" for s in done if state[s.name] != want]
     if wrong:

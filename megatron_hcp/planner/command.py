@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check", "run"]
 
 
 def _one_line_error(message: str) -> None:
@@ -26,44 +26,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return namespace, extras
 
     p.parse_known_args = strict  # type: ignore[method-assign]
+    from ..config import LIMITS, MAX_SEQ_LENGTH, argument_type
+    from .inputs import PLAN_MAX_GPUS, PLAN_MAX_SEQUENCES
+
+    def count(kind: str, flag: str, minimum: int = 1):
+        return argument_type("int", flag, minimum=minimum, maximum=LIMITS[kind])
+
+    def number(flag: str, **bounds):
+        return argument_type("float", flag, **bounds)
+
     m = p.add_argument_group("model (flags override --model)")
     m.add_argument("--model", default=None,
                    help="recipe model_config.yaml (MODEL_ARGS), YAML of megatron flags, or a "
                         "text file of megatron flags")
-    m.add_argument("--layers", type=int, default=None)
-    m.add_argument("--hidden", type=int, default=None)
-    m.add_argument("--ffn", type=int, default=None, help="FFN hidden size (default 4 x hidden)")
+    m.add_argument("--layers", type=count("layers", "--layers"), default=None)
+    m.add_argument("--hidden", type=count("width", "--hidden"), default=None)
+    m.add_argument("--ffn", type=count("width", "--ffn"), default=None,
+                   help="FFN hidden size (default 4 x hidden)")
     m.add_argument("--gated-mlp", action="store_true", default=None, help="SwiGLU (3 matmuls)")
-    m.add_argument("--heads", type=int, default=None)
-    m.add_argument("--kv-heads", type=int, default=None, help="query groups (default: heads)")
-    m.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
-    m.add_argument("--vocab", type=int, default=None, help="default 32000")
+    m.add_argument("--heads", type=count("heads", "--heads"), default=None)
+    m.add_argument("--kv-heads", type=count("heads", "--kv-heads"), default=None,
+                   help="query groups (default: heads)")
+    m.add_argument("--head-dim", type=count("width", "--head-dim"), default=None,
+                   help="default hidden / heads")
+    m.add_argument("--vocab", type=count("vocab", "--vocab"), default=None,
+                   help="default 32000")
     m.add_argument("--tied-embeddings", action="store_true", default=None)
     b = p.add_argument_group("batch (one of --seq-length, --lengths, --lognormal)")
-    b.add_argument("--seq-length", type=int, default=None)
+    b.add_argument("--seq-length", type=argument_type("int", "--seq-length", minimum=2,
+                                                      maximum=MAX_SEQ_LENGTH), default=None)
     b.add_argument("--lengths", default=None, help="JSON file: the lengths of one global batch")
     b.add_argument("--lognormal", default=None, metavar="MEDIAN,SIGMA,MIN,MAX",
-                   help="lengths drawn from a clipped lognormal (seed --seed)")
-    b.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    b.add_argument("--seed", type=int, default=0)
-    c = p.add_argument_group("cluster (a --gpu preset; the flags below override its values)")
+                   help="lengths drawn from a clipped lognormal (seed --seed); MIN and MAX are "
+                        "integers")
+    b.add_argument("--global-batch", type=argument_type(
+        "int", "--global-batch", minimum=1, maximum=PLAN_MAX_SEQUENCES), default=None,
+        help=f"sequences per step (at most {PLAN_MAX_SEQUENCES})")
+    b.add_argument("--seed", type=argument_type("int", "--seed", minimum=0,
+                                                maximum=(1 << 32) - 1), default=0)
+    c = p.add_argument_group("cluster (a --gpu preset; the flags below override its values; "
+                             f"at most {PLAN_MAX_GPUS} GPUs)")
     c.add_argument("--gpu", default="h100", choices=["h100", "h200", "b200", "gb200"],
                    help="GPU preset: vendor peak, memory, NVLink and NIC bandwidth, calibrated "
                         "efficiencies (megatron_hcp/planner/gpus.py)")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=None,
+    c.add_argument("--nodes", type=count("size", "--nodes"), default=1)
+    c.add_argument("--gpus-per-node", type=count("size", "--gpus-per-node"), default=None,
                    help="GPUs per NVLink domain (default: the preset's, 8; gb200 72)")
-    c.add_argument("--intra-gbps", type=float, default=None, help="GB/s per GPU in a node")
-    c.add_argument("--inter-gbps", type=float, default=None, help="GB/s per GPU across nodes")
-    c.add_argument("--intra-latency-us", type=float, default=5.0)
-    c.add_argument("--inter-latency-us", type=float, default=10.0)
-    c.add_argument("--tflops", type=float, default=None,
+    c.add_argument("--intra-gbps", type=number("--intra-gbps", above=0.0, maximum=1e6),
+                   default=None, help="GB/s per GPU in a node")
+    c.add_argument("--inter-gbps", type=number("--inter-gbps", above=0.0, maximum=1e6),
+                   default=None, help="GB/s per GPU across nodes")
+    c.add_argument("--intra-latency-us", type=number("--intra-latency-us", minimum=0.0,
+                                                     maximum=1e6), default=5.0)
+    c.add_argument("--inter-latency-us", type=number("--inter-latency-us", minimum=0.0,
+                                                     maximum=1e6), default=10.0)
+    c.add_argument("--tflops", type=number("--tflops", above=0.0, maximum=1e6), default=None,
                    help="achieved GEMM TFLOP/s per GPU (default: preset peak x calibrated "
                         "efficiency for --precision)")
-    c.add_argument("--attention-tflops", type=float, default=None,
+    c.add_argument("--attention-tflops", type=number("--attention-tflops", above=0.0,
+                                                     maximum=1e6), default=None,
                    help="achieved attention TFLOP/s per GPU (default: from the preset)")
-    c.add_argument("--hbm-gbps", type=float, default=None, help="HBM GB/s per GPU")
-    c.add_argument("--gpu-memory-gb", type=float, default=None)
+    c.add_argument("--hbm-gbps", type=number("--hbm-gbps", above=0.0, maximum=1e7),
+                   default=None, help="HBM GB/s per GPU")
+    c.add_argument("--gpu-memory-gb", type=number("--gpu-memory-gb", above=0.0, maximum=1e6),
+                   default=None)
     o = p.add_argument_group("options")
     o.add_argument("--recompute", default="auto", choices=["auto", "selective", "full"])
     o.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
@@ -74,10 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16 main gradients (megatron keeps them fp32 under --bf16)")
     o.add_argument("--no-distributed-optimizer", action="store_true")
     o.add_argument("--tp-comm-overlap", action="store_true")
-    o.add_argument("--te-version", default="2.8")
-    o.add_argument("--tie-tolerance", type=float, default=0.02)
-    o.add_argument("--max-tp", type=int, default=None, help="default: GPUs per node")
-    o.add_argument("--top", type=int, default=10, help="rows of the table / bars of the plot")
+    o.add_argument("--te-version", type=argument_type("version", "--te-version"), default="2.8")
+    o.add_argument("--tie-tolerance", type=number("--tie-tolerance", minimum=0.0, maximum=0.99),
+                   default=0.02)
+    o.add_argument("--max-tp", type=count("size", "--max-tp"), default=None,
+                   help="default: GPUs per node")
+    o.add_argument("--top", type=argument_type("int", "--top", minimum=1, maximum=1000),
+                   default=10, help="rows of the table / bars of the plot")
     o.add_argument("--json", action="store_true")
     o.add_argument("--plot", default=None, metavar="PATH", help="stacked step-time bars (PNG)")
 
@@ -85,6 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _build(args: argparse.Namespace):
     from .gpus import cluster_for
     from .inputs import (
+        PLAN_MAX_GPUS,
         Batch,
         ModelSpec,
         Options,
@@ -92,6 +122,7 @@ def _build(args: argparse.Namespace):
         lengths_file,
         load_model_file,
         lognormal,
+        lognormal_spec,
     )
 
     base: dict = {}
@@ -123,14 +154,10 @@ def _build(args: argparse.Namespace):
     if args.lengths:
         batch = lengths_file(args.lengths)
     elif args.lognormal:
-        try:
-            median, sigma, lo, hi = (float(x) for x in args.lognormal.split(","))
-        except ValueError:
-            raise PlanInputError("--lognormal needs MEDIAN,SIGMA,MIN,MAX (four numbers)"
-                                 ) from None
+        median, sigma, lo, hi = lognormal_spec(args.lognormal)
         if global_batch is None:
             raise PlanInputError("--lognormal needs --global-batch (sequences per step)")
-        batch = lognormal(global_batch, median, sigma, int(lo), int(hi), args.seed)
+        batch = lognormal(global_batch, median, sigma, lo, hi, args.seed)
     elif seq is not None:
         if global_batch is None:
             raise PlanInputError("--seq-length needs --global-batch (sequences per step)")
@@ -138,21 +165,6 @@ def _build(args: argparse.Namespace):
     else:
         raise PlanInputError("give the sequence length (--seq-length) or a length "
                              "distribution (--lengths FILE or --lognormal ...)")
-    for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("intra_gbps", "inter_gbps", "tflops", "attention_tflops", "hbm_gbps",
-                 "gpu_memory_gb"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ("intra_latency_us", "inter_latency_us"):
-        if not getattr(args, name) >= 0:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("top", "max_tp"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.seed < 0:
-        raise PlanInputError("--seed must be >= 0")
     explicit = {field: getattr(args, flag) * scale for flag, field, scale in (
         ("tflops", "flops_per_second", 1e12),
         ("attention_tflops", "attention_flops_per_second", 1e12),
@@ -163,6 +175,13 @@ def _build(args: argparse.Namespace):
     cluster = cluster_for(args.gpu, args.precision, args.nodes, args.gpus_per_node,
                           intra_latency_seconds=args.intra_latency_us * 1e-6,
                           inter_latency_seconds=args.inter_latency_us * 1e-6, **explicit)
+    gpus = cluster.nodes * cluster.gpus_per_node
+    if gpus > PLAN_MAX_GPUS:
+        raise PlanInputError(
+            f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {gpus} GPUs "
+            f"is over the planner's limit of {PLAN_MAX_GPUS} (it estimates every layout; beyond "
+            "that it runs for many minutes); plan a slice of the cluster (e.g. the GPUs of one "
+            "data-parallel replica group)")
     options = Options(recompute=args.recompute, precision=args.precision, fsdp=args.fsdp,
                       grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                       distributed_optimizer=not args.no_distributed_optimizer,
@@ -178,22 +197,28 @@ def calibration_line() -> str:
     return summarize(compare_all(load_published(), with_best=False)).line()
 
 
+def check(args: argparse.Namespace):
+    """Every input of ``plan`` read and bounded, and the ``--plot`` path checked, before any
+    layout is estimated: (model, batch, cluster, options). Raises ValueError (one line)."""
+    from ..atomic_write import check_output_file
+
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+    return _build(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from . import plan
     from .inputs import PlanInputError
     from .report import plot_breakdown, table
 
     try:
-        result = plan(*_build(args))
-    except (PlanInputError, ValueError, OverflowError) as err:  # input errors, one line
+        result = plan(*args.checked)
+    except (PlanInputError, ValueError) as err:  # e.g. no layout fits: one line
         print(f"megatron-hcp plan: {err}".splitlines()[0], file=sys.stderr)
         return 2
     if args.plot:
-        try:
-            plot_breakdown(result.ranked, args.plot, args.top)
-        except OSError as err:
-            print(f"megatron-hcp plan: cannot write --plot {args.plot}: {err}", file=sys.stderr)
-            return 2
+        plot_breakdown(result.ranked, args.plot, args.top)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0

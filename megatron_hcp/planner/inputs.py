@@ -6,17 +6,31 @@ it (the CLI prints it and exits 2).
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from ..bounded_read import InputFileError, loads_yaml, read_json, read_text
+from ..config import (
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    CPConfigError,
+    parse_float,
+    parse_int,
+    parse_value,
+)
 from ..dynamic_cp.workload import GPTWorkload
 
-__all__ = ["Batch", "ModelSpec", "Options", "PlanInputError", "load_model_file", "lognormal"]
+__all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "Batch", "ModelSpec", "Options",
+           "PlanInputError", "load_model_file", "lognormal", "lognormal_spec"]
+
+PLAN_MAX_GPUS = 16384
+"""GPUs the planner estimates layouts for (every layout is estimated; measured: 1024 GPUs with a
+lognormal batch of 1024 sequences take ~30-50 s on a loaded 2-core VM)."""
+PLAN_MAX_SEQUENCES = MAX_SEQUENCES
+"""Sequences in the planner's global batch (``--global-batch``, ``--lengths``)."""
 
 
 class PlanInputError(ValueError):
@@ -124,15 +138,44 @@ def lognormal(count: int, median: float, sigma: float, min_len: int, max_len: in
     return Batch(tuple(int(x) for x in np.clip(np.rint(draws), min_len, max_len)), False)
 
 
-def lengths_file(path: str) -> Batch:
+def lognormal_spec(text: str) -> tuple[float, float, int, int]:
+    """``MEDIAN,SIGMA,MIN,MAX`` of ``--lognormal``: two numbers and two integer lengths (never
+    truncated: ``2.7`` is not a length), each within its bounds."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise PlanInputError(f"--lognormal {text!r}: needs MEDIAN,SIGMA,MIN,MAX (four values, "
+                             "e.g. 8192,1.2,128,131072)")
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise PlanInputError(f"--lengths {path}: {err}") from None
-    if (not isinstance(data, list) or not data
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in data)):
+        median = parse_float(parts[0], "--lognormal MEDIAN", above=0.0,
+                             maximum=float(MAX_SEQ_LENGTH))
+        sigma = parse_float(parts[1], "--lognormal SIGMA", minimum=0.0, maximum=10.0)
+        low = parse_int(parts[2], "--lognormal MIN", minimum=1, maximum=MAX_SEQ_LENGTH)
+        high = parse_int(parts[3], "--lognormal MAX", minimum=1, maximum=MAX_SEQ_LENGTH)
+    except CPConfigError as err:
+        raise PlanInputError(str(err.violations[0])) from None
+    if low > high:
+        raise PlanInputError(f"--lognormal {text!r}: MIN={low} > MAX={high}; give MIN <= MAX")
+    return median, sigma, low, high
+
+
+def lengths_file(path: str) -> Batch:
+    """A JSON list of 1..:data:`PLAN_MAX_SEQUENCES` integer lengths, each at most
+    ``MAX_SEQ_LENGTH`` (read with the bounded reader)."""
+    try:
+        data = read_json(path, "--lengths")
+    except InputFileError as err:
+        raise PlanInputError(str(err)) from None
+    if not isinstance(data, list) or not data:
         raise PlanInputError(f"--lengths {path} must hold a non-empty JSON list of integers")
-    return Batch(tuple(data), False)
+    if len(data) > PLAN_MAX_SEQUENCES:
+        raise PlanInputError(f"--lengths {path} holds {len(data)} lengths, over the limit of "
+                             f"{PLAN_MAX_SEQUENCES} sequences per global batch; give fewer")
+    try:
+        lengths = [parse_int(x, f"--lengths {path}: [{i}]", minimum=1, maximum=MAX_SEQ_LENGTH,
+                             text=False) for i, x in enumerate(data)]
+    except CPConfigError as err:
+        raise PlanInputError(str(err.violations[0])) from None
+    return Batch(tuple(lengths), False)
 
 
 @dataclass(frozen=True)
@@ -176,15 +219,15 @@ _BATCH_FLAGS = {"--seq-length": "seq_length", "--global-batch-size": "global_bat
 
 def _flags_from_file(path: str) -> dict[str, object]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise PlanInputError(f"--model {path}: {err}") from None
+        text = read_text(path, "--model", max_bytes=1 << 20)
+    except InputFileError as err:
+        raise PlanInputError(str(err)) from None
     try:
-        import yaml
-
-        data = yaml.safe_load(text)
-    except Exception:  # not YAML: a megatron command line
-        data = None
+        data = loads_yaml(text, "--model", path)
+    except InputFileError as err:
+        if not err.rule.startswith("is not plain YAML"):
+            raise PlanInputError(str(err)) from None
+        data = None  # not YAML: a megatron command line
     if isinstance(data, dict):
         args = data.get("MODEL_ARGS", data)
         if not isinstance(args, dict):
@@ -209,10 +252,18 @@ def _flags_from_file(path: str) -> dict[str, object]:
     return flags
 
 
+# flag -> parse_value kind (bounded counts, config.LIMITS)
+_KINDS = {"--num-layers": "layers", "--hidden-size": "width", "--num-attention-heads": "heads",
+          "--num-query-groups": "heads", "--ffn-hidden-size": "width", "--kv-channels": "width",
+          "--vocab-size": "vocab", "--padded-vocab-size": "vocab", "--seq-length": "seqlen",
+          "--global-batch-size": "sequences"}
+
+
 def load_model_file(path: str) -> tuple[ModelSpec, dict[str, int]]:
     """A recipe ``model_config.yaml`` (``MODEL_ARGS``), a YAML mapping of megatron flags, or a
     text file of megatron flags -> the model, plus ``seq_length`` / ``global_batch`` if given.
-    Flags the planner does not need are ignored (they do not change the estimate)."""
+    Flags the planner does not need are ignored (they do not change the estimate); the ones
+    it reads are parsed strictly, within the bounds of ``config.LIMITS``."""
     flags = _flags_from_file(path)
     kwargs: dict[str, object] = {}
     batch: dict[str, int] = {}
@@ -220,10 +271,12 @@ def load_model_file(path: str) -> tuple[ModelSpec, dict[str, int]]:
         target = _MODEL_FLAGS.get(flag) or _BATCH_FLAGS.get(flag)
         if target is not None:
             try:
-                number = int(str(value))
-            except ValueError:
-                raise PlanInputError(f"--model {path}: {flag} {value!r} is not an integer"
-                                     ) from None
+                number = parse_value(value, _KINDS[flag], f"--model {path}: {flag}")
+            except CPConfigError as err:
+                raise PlanInputError(str(err.violations[0])) from None
+            if flag == "--global-batch-size" and number > PLAN_MAX_SEQUENCES:
+                raise PlanInputError(f"--model {path}: {flag} {number} is over the planner's "
+                                     f"limit of {PLAN_MAX_SEQUENCES} sequences")
             (batch if flag in _BATCH_FLAGS else kwargs)[target] = number
         elif flag in _BOOL_FLAGS:
             kwargs[_BOOL_FLAGS[flag]] = str(value).lower() not in ("false", "0", "no")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -18,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention.module import gpt_layer_spec
-from ..config import CPConfig
+from ..config import CPConfig, CPConfigError, Violation
 from ..parallel_state.groups import collective_device
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import (
@@ -86,6 +86,11 @@ class TinyGPTSpec:
     save_at_steps: tuple[int, ...] = ()  # save after these many steps
     resume_from_step: int | None = None  # load <dir>/iter_<step> and continue from there
     extra_config: dict[str, Any] = field(default_factory=dict)
+    # (step, row or sample id, length) -> that sequence's loss mask (1 = counted); None: the
+    # data's own mask (its first two tokens masked). A module-level function, so that it
+    # reaches the ranks.
+    loss_mask: Callable[[int, int, int], torch.Tensor] | None = None
+    max_position_embeddings: int | None = None  # GPTModel's max_sequence_length (seq_length)
 
     def __post_init__(self) -> None:
         missing = {k: v for k, v in _MODEL_DEFAULTS.items() if getattr(self.config, k) is None}
@@ -105,12 +110,26 @@ class TinyGPTSpec:
         return cls(config=CPConfig(**cp), **kwargs)
 
 
+# TransformerConfig fields the trainer sets from the spec (extra_config may not set them)
+_SET_BY_SPEC = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
+                "virtual_pipeline_model_parallel_size", "max_seqlen_per_dp_cp_rank",
+                "calculate_per_token_loss", "sequence_parallel")
+
+
 def _transformer_config(spec: TinyGPTSpec):
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
     )
 
+    taken = sorted(set(spec.extra_config) & set(_SET_BY_SPEC))
+    if taken:
+        raise CPConfigError([Violation(
+            f"extra_config[{name!r}]", spec.extra_config[name],
+            "is set by the trainer from the spec (its CPConfig or its own field)",
+            f"set {name} on the spec or its config instead") for name in taken])
     # multi-latent attention (extra_config multi_latent_attention=True plus MLA's head dims)
     config_class = (MLATransformerConfig if spec.extra_config.get("multi_latent_attention")
                     else TransformerConfig)
@@ -140,7 +159,7 @@ def _transformer_config(spec: TinyGPTSpec):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=spec.config.per_token_loss(),
         batch_p2p_sync=False,
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
@@ -149,20 +168,39 @@ def _transformer_config(spec: TinyGPTSpec):
     )
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *,
+               micro_batch_cp_group: Any = None):
+    """(loss, tokens, report) for megatron's schedule, which divides ``loss`` by ``tokens``
+    (and by the micro-batch count) unless the loss is per token.
+
+    Per-token loss (``micro_batch_cp_group`` None): this rank's loss sum and token count; the
+    schedule sums both over the step and ``finalize_model_grads`` divides by the count over
+    DPxCP. Per micro-batch (megatron's ``calculate_per_token_loss=False``): the count is the
+    micro-batch's over its whole CP group, all-reduced here - a count per CP rank would weight
+    the ranks' tokens unequally under uneven masks and divide by zero on a fully masked rank
+    (the class of bug of Megatron-LM #7452) - and the loss sum is scaled by the CP size, as
+    megatron's own legacy path does, because DDP averages gradients over DPxCP while the CP
+    ranks hold parts of one micro-batch."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask)
-    tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), tokens.float()])
-    return loss, tokens, {"lm loss": report}
+    tokens = mask.sum()
+    report = torch.stack([loss.detach(), tokens.detach()])  # this rank's, for the lm loss
+    if micro_batch_cp_group is None:
+        return loss, tokens.to(torch.int), {"lm loss": report}
+    count = tokens.detach().to(collective_device(micro_batch_cp_group)).clone()
+    dist.all_reduce(count, group=micro_batch_cp_group)
+    cp_size = micro_batch_cp_group.size()
+    return loss * cp_size, count.to(tokens.device).to(torch.int), {"lm loss": report}
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, *, cp_group: Any = None):
+    """megatron's forward step; ``cp_group`` set: the loss is per micro-batch (see
+    :func:`_loss_func`)."""
     batch = next(data_iterator)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=batch.packed_seq_params)
-    return output, partial(_loss_func, batch.loss_mask)
+    return output, partial(_loss_func, batch.loss_mask, micro_batch_cp_group=cp_group)
 
 
 def _global_param_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -251,6 +289,8 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
     """The model chunks of this pipeline rank (one, or one per virtual stage)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from ..attention.module import gpt_layer_spec  # imports megatron: only when training
+
     pp_rank, pp_size = pgs.pp.rank(), pgs.pp.size()
     vpp = spec.virtual_pipeline_model_parallel_size or 1
     chunks = []
@@ -277,7 +317,7 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
             config=config,
             transformer_layer_spec=layers,
             vocab_size=spec.vocab_size,
-            max_sequence_length=spec.seq_length,
+            max_sequence_length=spec.max_position_embeddings or spec.seq_length,
             pre_process=pp_rank == 0 and vp == 0,
             post_process=pp_rank == pp_size - 1 and vp == vpp - 1,
             position_embedding_type="rope",
@@ -354,6 +394,9 @@ class _StepData:
         rows = spec.global_batch_size
         if spec.varlen is None:
             data = global_batch(spec.seed, step, rows, spec.seq_length, spec.vocab_size)
+            if spec.loss_mask is not None:
+                data["loss_mask"] = torch.stack([
+                    spec.loss_mask(step, r, spec.seq_length).float() for r in range(rows)])
             return static_cp_micro_batches(
                 data, dp_size=self.dp_size, dp_rank=self.dp_rank,
                 micro_batch_size=spec.micro_batch_size, cp_size=self.cp_size,
@@ -369,7 +412,10 @@ class _StepData:
 
         def load(i: int) -> torch.Tensor:
             sample = markov_sample if v.corpus == "markov" else varlen_sample
-            return sample(spec.seed, step, i, lengths[i], spec.vocab_size)
+            out = sample(spec.seed, step, i, lengths[i], spec.vocab_size)
+            if spec.loss_mask is not None:
+                out[2] = spec.loss_mask(step, i, lengths[i]).to(out.dtype)
+            return out
 
         if self.path is not None:
             _, micro = self.path.step(ids, load)
@@ -393,13 +439,16 @@ def _save_checkpoint(spec: TinyGPTSpec, step: int, model: list[Any], optimizer: 
 def _load_checkpoint(spec: TinyGPTSpec, model: list[Any], optimizer: Any) -> None:
     if not spec.checkpoint_dir:
         raise ValueError("resuming needs spec.checkpoint_dir")
-    state = load_checkpoint(spec.checkpoint_dir, spec.resume_from_step)
-    if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
-        raise CheckpointError(f"checkpoint {spec.checkpoint_dir} step {state['step']} with "
-                              f"{len(state['model'])} model chunks does not fit this run")
-    for m, sd in zip(model, state["model"]):
-        m.load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
+
+    def restore(state: dict[str, Any]) -> None:  # inside the ranks' agreement on the verdict
+        if state["step"] != spec.resume_from_step or len(state["model"]) != len(model):
+            raise CheckpointError(f"step {state['step']} with {len(state['model'])} model "
+                                  f"chunks does not fit this run ({len(model)} chunks)")
+        for m, sd in zip(model, state["model"]):
+            m.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+
+    load_checkpoint(spec.checkpoint_dir, spec.resume_from_step, restore=restore)
 
 
 def train_tiny_gpt(spec: TinyGPTSpec, pg_collection: Any = None,
@@ -421,8 +470,8 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    config = _transformer_config(spec)  # refuses bad settings before any collective
     pgs = _groups(pg_collection)
-    config = _transformer_config(spec)
     torch.manual_seed(spec.seed)
     model_parallel_cuda_manual_seed(spec.seed, tp_rank=pgs.tp.rank(), ep_rank=0, etp_rank=0)
     pp_size = pgs.pp.size()
@@ -452,6 +501,9 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
                            "p2p_communicator": P2PCommunicator(pp_group=pgs.pp, config=config)}
     multiple = pp_size if spec.virtual_pipeline_model_parallel_size else 1
     data = _StepData(spec, pgs, pg_collection, multiple)
+    # per-token loss, or per micro-batch over its tokens on the (static) CP group
+    forward_step = (_forward_step if config.calculate_per_token_loss
+                    else partial(_forward_step, cp_group=pgs.cp))
     history: dict[str, list] = {"loss": [], "grad_norm": [], "num_zeros": [],
                                 "micro_batches": [], "local_cp_sizes": [], "cp_levels": [],
                                 "iteration_time": []}
@@ -467,7 +519,7 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
         optimizer.zero_grad()
         iterator = ([iter(micro) for _ in model] if len(model) > 1 else iter(micro))
         reports = forward_backward(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iterator,
             model=model,
             num_microbatches=len(micro),

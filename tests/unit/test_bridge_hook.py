@@ -116,6 +116,49 @@ def test_hcp_configs_are_validated_before_any_group(bridge):
         bridge["initialize"]._create_pg_collection(cfg, 2, world_size=4)
 
 
+HCP = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
+           cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+
+
+@pytest.mark.parametrize("fields, instances, named", [
+    ({"context_parallel_size": 0, "hierarchical_context_parallel_sizes": [1, 1]}, 1,
+     "context_parallel_size=0: must be >= 1"),
+    ({"context_parallel_size": 4.9}, 1, "context_parallel_size=4.9: must be an integer"),
+    ({"tensor_model_parallel_size": "2"}, 1, "tensor_model_parallel_size='2': must be an integer"),
+    ({"tensor_model_parallel_size": "abc"}, 1,
+     "tensor_model_parallel_size='abc': must be an integer"),
+    ({"pipeline_model_parallel_size": True}, 1,
+     "pipeline_model_parallel_size=True: must be an integer"),
+    ({"hierarchical_context_parallel_sizes": 4}, 1,
+     "hierarchical_context_parallel_sizes=4: must be a list of integers"),
+    ({"hierarchical_context_parallel_sizes": [2.0, 2]}, 1,
+     "hierarchical_context_parallel_sizes[0]=2.0: must be an integer"),
+    ({"num_attention_heads": 8.5}, 1, "num_attention_heads=8.5: must be an integer"),
+    ({}, 0, "num_distributed_optimizer_instances=0: must be the integer 1"),
+    ({}, -1, "num_distributed_optimizer_instances=-1: must be the integer 1"),
+    ({}, 1.0, "num_distributed_optimizer_instances=1.0: must be the integer 1"),
+])
+def test_bridge_values_are_read_strictly_never_coerced(bridge, fields, instances, named):
+    """Through the hooked Bridge function: 0 was read as 1, 4.9 as 4, "2" as TP 2, 0 / -1
+    optimizer instances passed, an int as the sizes or "abc" as TP were raw TypeError /
+    ValueError; each is now a CPConfigError naming the field, the value, the rule and the
+    fix, before any group exists."""
+    hook.install()
+    cfg = model_config(**{**HCP, **fields})
+    with pytest.raises(CPConfigError) as info:
+        bridge["initialize"]._create_pg_collection(cfg, instances, world_size=4)
+    assert named in str(info.value) and "Fix:" in str(info.value), info.value
+
+
+def test_every_bad_bridge_field_is_reported_at_once():
+    cfg = model_config(**{**HCP, "tensor_model_parallel_size": "2", "context_parallel_size": 0,
+                          "num_layers": -3})
+    with pytest.raises(CPConfigError) as info:
+        hook.cp_config_from_model_config(cfg, 8)
+    assert {v.parameter for v in info.value.violations} == {
+        "tensor_model_parallel_size", "context_parallel_size", "num_layers"}
+
+
 # ------------------------------------------------------------- load_megatron_model decision
 @pytest.fixture
 def checkpoint(bridge, tmp_path, monkeypatch):

@@ -112,3 +112,32 @@ def test_a_malformed_golden_file_is_refused_before_training(tmp_path):
     golden.write_text(golden.read_text()[:200])  # truncated
     with pytest.raises(GoldenError, match="cannot read golden values"):
         check_recipe(str(recipe), echo=None)
+
+
+def test_a_killed_writer_leaves_no_stray_temporary_file_for_the_next_run(tmp_path):
+    """A writer killed between its temporary file and the rename (here: a forked child ended
+    by os._exit at that point) leaves ``golden_values*.json.<pid>.*.tmp``; the next update
+    removes it, and keeps the temporary file of a writer that is still running."""
+    import os
+
+    from megatron_hcp.atomic_write import write_atomic
+
+    path = tmp_path / "golden_values_dev_cpu_gloo.json"
+    path.write_text(json.dumps(to_golden(metrics(GOOD))))
+
+    def crash_before_rename(what: str) -> None:
+        if what.startswith("rename"):
+            os._exit(9)
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        write_atomic(path, "{half of a new golden file", on_step=crash_before_rename)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    strays = sorted(tmp_path.glob("golden_values_dev_cpu_gloo.json.*.tmp"))
+    assert [p.name.split(".")[2] for p in strays] == [str(pid)]
+    live = tmp_path / f"golden_values_dev_cpu_gloo.json.{os.getpid()}.abc123.tmp"
+    live.write_text("a writer at work")
+    replace_golden(path, metrics(GOOD), steps=6, label="r")
+    assert sorted(tmp_path.glob("*.tmp")) == [live]
+    assert load_golden(path)["lm loss"]["values"]["1"] == 4.0

@@ -334,7 +334,7 @@ def test_model_from_recipe_file(capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--layers", "x"], "invalid int value"),
+    (["--layers", "x"], "--layers='x' must be an integer"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--layers", "2"], "needs --hidden, --heads"),
     (["--layers", "2", "--hidden", "64", "--heads", "4"], "--seq-length"),
@@ -355,7 +355,7 @@ def test_model_from_recipe_file(capsys):
     (["--model", "/nonexistent.yaml", "--seq-length", "64", "--global-batch", "2"],
      "--model"),
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",
-      "--global-batch", "0"], "--global-batch 0"),
+      "--global-batch", "0"], "--global-batch=0 must be >= 1"),
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",
       "--global-batch", "2", "--max-tp", "0"], "--max-tp"),
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-length", "64",

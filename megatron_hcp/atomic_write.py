@@ -1,0 +1,162 @@
+"""Atomic file writes whose temporary files say who wrote them, so that strays can be reclaimed.
+
+:func:`write_atomic` writes ``<dir>/<name>.<pid>.<random>.tmp`` (unique: two writers never
+share a temporary file), fsyncs it, renames it over ``<dir>/<name>`` and fsyncs the directory:
+a reader sees the old file or the new one, never a mix. A process killed in between leaves its
+temporary file behind; :func:`reclaim_temps` removes those whose writer (the pid in the name)
+is no longer running, and keeps the files of a writer that is still at work.
+
+``on_step`` (optional) is called with a description before each write that changes the disk
+(the temporary file, the rename): the fault-injection point of the crash tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["PLOT_SUFFIXES", "OutputPathError", "Step", "check_output_dir", "check_output_file",
+           "fsync_dir", "pid_alive", "reclaim_temps", "temp_files", "write_atomic"]
+
+PLOT_SUFFIXES = ("", ".png", ".pdf", ".svg")
+"""What a ``--plot`` file may end with (matplotlib writes PNG without a suffix)."""
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written (found before any work starts; one line)."""
+
+Step = Callable[[str], None]
+"""Called with a description before each change on disk (fault-injection point)."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this id exists on this machine."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
+                 on_step: Step | None = None) -> None:
+    """Replace ``path`` with ``data``: unique temporary file, fsync, rename, fsync directory.
+
+    ``mode``: permission bits of the new file (default: those of the file it replaces, else
+    0o666 minus the umask, as ``open`` would create it)."""
+    path = Path(path)
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    if on_step is not None:
+        on_step(f"write a temporary file for {path}")
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
+                               dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            os.fsync(fh.fileno())
+        if on_step is not None:
+            on_step(f"rename the temporary file onto {path}")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _writable_dir(folder: Path, name: str, path: str | os.PathLike) -> None:
+    if not folder.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r}: the directory {str(folder)!r} does not "
+                              "exist; create it first or give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{name} {str(path)!r}: cannot write into {str(folder)!r} "
+                              "(permission); give a writable location")
+
+
+def check_output_file(path: str | os.PathLike, name: str,
+                      suffixes: tuple[str, ...] = PLOT_SUFFIXES) -> Path:
+    """Refuse, before any work, an output file that could not be written at the end."""
+    file = Path(path)
+    if str(path) == "" or file.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r} is a directory; give a file name such as "
+                              "out.png")
+    if file.suffix.lower() not in suffixes:
+        raise OutputPathError(f"{name} {str(path)!r}: unknown file type {file.suffix!r}; end "
+                              f"the name with one of {', '.join(s for s in suffixes if s)}")
+    _writable_dir(file.parent if str(file.parent) else Path("."), name, path)
+    if file.exists() and not os.access(file, os.W_OK):
+        raise OutputPathError(f"{name} {str(path)!r} exists and cannot be overwritten "
+                              "(permission); give another path")
+    return file
+
+
+def check_output_dir(path: str | os.PathLike, name: str) -> Path:
+    """Refuse, before any work, an output directory that could not be created or written."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r} exists and is not a directory; give a "
+                              "directory")
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent  # the nearest existing ancestor is where mkdir starts
+    if not existing.is_dir():
+        raise OutputPathError(f"{name} {str(path)!r}: {str(existing)!r} is not a directory, "
+                              "so the directory cannot be created; give another path")
+    _writable_dir(existing, name, path)
+    return folder
+
+
+def temp_files(path: Path) -> list[tuple[Path, int | None]]:
+    """Temporary files of ``path`` in its directory, with their writer's pid (None: a name
+    without one, written by an older version of this project)."""
+    path = Path(path)
+    pattern = re.compile(re.escape(path.name) + r"\.(?:(\d+)\.)?[a-z0-9_]+\.tmp")
+    legacy = f".{path.name}.megatron-hcp.tmp"  # the fixed name of older patch transactions
+    out: list[tuple[Path, int | None]] = []
+    try:
+        entries = sorted(path.parent.iterdir())
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match:
+            out.append((entry, int(match.group(1)) if match.group(1) else None))
+        elif entry.name == legacy:
+            out.append((entry, None))
+    return out
+
+
+def reclaim_temps(path: Path, *, all_writers: bool = False) -> list[Path]:
+    """Remove the temporary files of ``path`` left by writers that are gone (a pid that no
+    longer runs, or none recorded); with ``all_writers`` (the caller holds a lock that every
+    writer takes), every one. Returns the removed files."""
+    removed = []
+    for file, pid in temp_files(path):
+        if all_writers or pid is None or (pid != os.getpid() and not pid_alive(pid)):
+            file.unlink(missing_ok=True)
+            removed.append(file)
+    return removed
