@@ -38,13 +38,15 @@ class RecipeRunError(RuntimeError):
 
 def recipe_dir(name_or_path: str | os.PathLike) -> Path:
     """A recipe's directory: a path holding ``model_config.yaml``, or a shipped recipe name."""
-    path = Path(name_or_path)
-    if (path / "model_config.yaml").is_file():
-        return path
-    candidate = RECIPES_DIR / str(name_or_path)
-    if not (candidate / "model_config.yaml").is_file():
-        raise FileNotFoundError(f"no recipe {name_or_path!r} under {RECIPES_DIR}")
-    return candidate
+    for path in (Path(name_or_path), RECIPES_DIR / str(name_or_path)):
+        try:
+            if (path / "model_config.yaml").is_file():
+                return path
+        except OSError:  # e.g. a name longer than the file system allows: no such recipe
+            continue
+    shown = str(name_or_path)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise FileNotFoundError(f"no recipe {shown!r} under {RECIPES_DIR}")
 
 
 def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,

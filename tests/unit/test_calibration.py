@@ -210,7 +210,7 @@ def test_cli_gpu_preset_and_flags_override_it(capsys):
     (["--gpu", "a100"], "invalid choice"),
     (["--precision", "fp4"], "invalid choice"),
     (["--fsdp", "--no-distributed-optimizer"], "--fsdp shards the optimizer"),
-    (["--attention-tflops", "0"], "--attention-tflops must be > 0"),
+    (["--attention-tflops", "0"], "--attention-tflops=0.0 must be > 0.0"),
 ])
 def test_bad_preset_inputs_are_one_line(argv, fragment, capsys):
     try:
