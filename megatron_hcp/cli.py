@@ -130,11 +130,13 @@ def _verify_groups(args: argparse.Namespace) -> int:
 
 
 def _patch_list(args: argparse.Namespace) -> int:
-    from .bridge.hook import BRIDGE_PATCHES
+    from .bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES
+    from .bridge.hook import BRIDGE_LOOP_PATCHES, BRIDGE_PATCHES
     from .patching import ALL_PATCHES, is_applied
     from .patching.registry import installed_version
 
-    for package, patches in (("megatron-core", ALL_PATCHES), ("megatron-bridge", BRIDGE_PATCHES)):
+    bridge = BRIDGE_PATCHES + BRIDGE_LOOP_PATCHES + BRIDGE_CPU_RUNTIME_PATCHES
+    for package, patches in (("megatron-core", ALL_PATCHES), ("megatron-bridge", bridge)):
         version = installed_version(package)
         print(f"{package} {version or '(not installed)'}")
         print(f"  {'patch':<38} {'category':<12} {'versions':<14} {'needed':<7} {'applied':<7} "
@@ -403,6 +405,7 @@ def _plan_check(args: argparse.Namespace) -> Any:
 def _recipes(args: argparse.Namespace) -> list[Any]:
     """Load (and so validate) every named recipe before anything runs."""
     from .config import CPConfigError
+    from .functional.bridge_recipe import BridgeRecipe, bridge_available
     from .functional.harness import recipe_dir
     from .functional.recipe import list_recipes, load_recipe
 
@@ -410,13 +413,21 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
     if not names:
         raise UsageError("name a recipe (see `megatron-hcp functional list`)")
     recipes = []
+    args.skipped = []  # Bridge recipes of `compare` (all recipes) where Bridge is missing
     for name in names:
         try:
-            recipes.append(load_recipe(recipe_dir(name), allow_env=args.allow_env))
+            recipe = load_recipe(recipe_dir(name), allow_env=args.allow_env)
         except FileNotFoundError as err:
             raise UsageError(_one_line(err)) from None
         except CPConfigError as err:
             raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
+        missing = bridge_available() if isinstance(recipe, BridgeRecipe) else None
+        if missing and args.names:
+            raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
+        if missing:
+            args.skipped.append(f"{name}: skipped: {missing}")
+            continue
+        recipes.append(recipe)
     args.launch = _launch(args, recipes)
     if args.functional_command in ("run", "compare"):  # update-golden replaces a bad one
         _check_goldens(recipes, args.launch.platform)
@@ -465,10 +476,20 @@ def _functional(args: argparse.Namespace) -> int:
     from .functional.recipe import list_recipes
 
     if args.functional_command == "list":
+        from .functional.bridge_recipe import bridge_available
+        from .functional.harness import recipe_dir
+        from .functional.recipe import load_recipe
+
+        missing = bridge_available()
         for name in list_recipes():
-            print(name)
+            loop = "BRIDGE" in load_recipe(recipe_dir(name)).args
+            note = f"  (Megatron-Bridge's loop; {missing})" if loop and missing else (
+                "  (Megatron-Bridge's loop)" if loop else "")
+            print(f"{name}{note}")
         return 0
     recipes = args.checked
+    for line in getattr(args, "skipped", []):
+        print(line)
     try:
         if args.functional_command == "update-golden":
             for recipe in recipes:

@@ -99,10 +99,10 @@ class _NoCPGroup:
 
 
 def _torch_view_edit(name: str) -> list:
+    """The CPU view of torch appended to every module a patch views (each of its targets)."""
     patch = by_name([name])[0]
-    module = patch.targets[0].module
-    path = module.replace(".", "/") + ".py"
-    return [_append(path, _view_tail(name, patch.summary))]
+    return [_append(t.module.replace(".", "/") + ".py", _view_tail(name, patch.summary))
+            for t in patch.targets]
 
 
 EDITS: dict[str, list] = {
@@ -117,6 +117,9 @@ EDITS: dict[str, list] = {
     "cpu-optimizer-device": _torch_view_edit("cpu-optimizer-device"),
     "cpu-grad-norm-device": _torch_view_edit("cpu-grad-norm-device"),
     "cpu-mtp-loss-tracker": _torch_view_edit("cpu-mtp-loss-tracker"),
+    "cpu-timers": _torch_view_edit("cpu-timers"),
+    "cpu-dist-checkpointing": _torch_view_edit("cpu-dist-checkpointing"),
+    "cpu-ddp-wrap": _torch_view_edit("cpu-ddp-wrap"),
     "mla-without-te": [(
         "megatron/core/transformer/multi_latent_attention.py",
         "    HAVE_TE = True\nexcept ImportError:\n",

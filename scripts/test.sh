@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite of one stack: lint, then pytest (multi-rank tests run as real gloo
 # processes). tests/gpu (marker gpu, needs CUDA GPUs) is deselected by pyproject's addopts;
-# ./scripts/gpu_check.sh runs it on a GPU node. MEGATRON_HCP_STACK=py311 (default: Python 3.11 + megatron-core 0.16.1) or py312
-# (Python 3.12 + megatron-core 0.19.2 + Megatron-Bridge 0.6.2); see scripts/setup_env.sh.
+# ./scripts/gpu_check.sh runs it on a GPU node. Skipped tests print their reason (-rs).
+# MEGATRON_HCP_STACK=py311 (default: Python 3.11 + megatron-core 0.16.1) or py312 (Python 3.12 +
+# megatron-core 0.19.2 + Megatron-Bridge 0.6.2); see scripts/setup_env.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$("$root/scripts/setup_env.sh" | tail -n 1)"

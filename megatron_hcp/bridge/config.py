@@ -7,7 +7,8 @@ size) is a :class:`~megatron_hcp.config.CPConfigError` naming ``model.<field>``,
 coerced value. Dynamic CP is read under both its names: megatron-core 0.19's
 ``hybrid_context_parallel`` and the development branch's ``dynamic_context_parallel`` /
 ``min_dynamic_context_parallel_size`` (an attribute set on the provider where megatron-core has
-no such field).
+no such field). The Megatron-Bridge hook (``_create_pg_collection``, ``load_megatron_model``) and
+Bridge's training loop (``bridge-cp-setup``) read configs with it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ MODEL_FIELDS = (
     "calculate_per_token_loss", "cuda_graph_impl", "enable_cuda_graph", "window_size",
     "softmax_type",
 )
-_OPTIONAL_DEFAULTS = {"cuda_graph_impl": "none", "softmax_type": "vanilla",
-                      "min_dynamic_context_parallel_size": 1}
 
 
 def world_size_before_init() -> int:
@@ -48,46 +47,68 @@ def _te_version() -> str | None:
     return installed_te_version() if have_te() else None
 
 
+# kinds whose values may be text in a Python config (every other value must be the Python type
+# megatron means: "2" is not a size, 4.9 is not 4, True is not 1)
+_TEXT_KINDS = frozenset({"str", "strs", "version"})
+
+
+def _read_field(name: str, raw: Any) -> Any:
+    kind = FIELD_KINDS[name]
+    base = kind.lstrip("?")
+    want = {"sizes": "a list of integers", "window": "a list of two integers",
+            "bool": "a boolean"}.get(base, "an integer")
+    items = raw if isinstance(raw, (list, tuple)) else [raw]
+    if base not in _TEXT_KINDS and any(isinstance(x, (str, bytes)) for x in items):
+        raise CPConfigError([Violation(
+            f"model.{name}", raw, f"must be {want}, not text (a Python config holds the value "
+            "itself)", f"set model.{name} to {want}")])
+    if base in ("sizes", "window") and not isinstance(raw, (list, tuple)):
+        raise CPConfigError([Violation(f"model.{name}", raw, f"must be {want}",
+                                       f"set e.g. model.{name}=[2, 2]")])
+    if name == "window_size" and isinstance(raw, tuple):
+        raw = list(raw)
+    return parse_value(raw, kind, f"model.{name}")
+
+
 def cp_config_from_bridge(model_config: Any, world_size: int | None = None, *,
                           use_megatron_fsdp: bool = False,
                           te_version: str | None = ...) -> CPConfig:
-    """The :class:`CPConfig` of Bridge's ``model_config`` on ``world_size`` ranks (default: the
-    current world, see :func:`world_size_before_init`), every field read strictly.
+    """The :class:`CPConfig` of Bridge's ``model_config`` on ``world_size`` ranks (default: one
+    data-parallel replica, ``tp*cp*pp``), every field read strictly: the Python value megatron
+    means (an integer size >= 1, never a float, a string or a bool; a list of them), ``None``
+    being megatron's default. Raises :class:`CPConfigError` naming every bad field.
 
     ``te_version`` defaults to the installed Transformer Engine's where it imports (TE is then
     the attention backend, as megatron's default spec); ``use_megatron_fsdp`` is Bridge's
-    ``dist.use_megatron_fsdp``. Raises :class:`CPConfigError` naming every malformed field.
+    ``dist.use_megatron_fsdp``.
     """
     values: dict[str, Any] = {}
     problems: list[Violation] = []
     for name in MODEL_FIELDS:
-        if not hasattr(model_config, name):
-            continue
-        raw = getattr(model_config, name)
-        if raw is None and name in _OPTIONAL_DEFAULTS:
-            continue
-        if name == "window_size" and isinstance(raw, tuple):
-            raw = list(raw)
+        raw = getattr(model_config, name, None)
+        if raw is None:
+            continue  # absent or megatron's default
         try:
-            values[name] = parse_value(raw, FIELD_KINDS[name], f"model.{name}")
+            values[name] = _read_field(name, raw)
         except CPConfigError as err:
             problems.extend(err.violations)
-    try:
-        world = (world_size_before_init() if world_size is None
-                 else parse_value(world_size, "size", "world_size"))
-        use_fsdp = parse_value(use_megatron_fsdp, "bool", "dist.use_megatron_fsdp")
-    except CPConfigError as err:
-        raise CPConfigError([*problems, *err.violations]) from None
-    if problems:
-        raise CPConfigError(problems)
     tp = values.get("tensor_model_parallel_size", 1)
     pp = values.get("pipeline_model_parallel_size", 1)
     cp = values.get("context_parallel_size", 1)
-    if world % (tp * cp * pp):
-        raise CPConfigError([Violation(
+    try:
+        world = (tp * cp * pp if world_size is None
+                 else parse_value(world_size, "size", "world_size"))
+        use_fsdp = parse_value(use_megatron_fsdp, "bool", "dist.use_megatron_fsdp")
+    except CPConfigError as err:
+        problems.extend(err.violations)
+        world, use_fsdp = tp * cp * pp, False
+    if not problems and world % (tp * cp * pp):
+        problems.append(Violation(
             "model.context_parallel_size", cp,
             f"tensor*context*pipeline_model_parallel_size = {tp}*{cp}*{pp} = {tp * cp * pp} "
             f"must divide the world size {world}",
-            "change the parallel sizes or the number of ranks")])
+            "change the parallel sizes or the number of ranks"))
+    if problems:
+        raise CPConfigError(problems)
     return CPConfig(data_parallel_size=world // (tp * cp * pp), use_megatron_fsdp=use_fsdp,
                     te_version=_te_version() if te_version is ... else te_version, **values)

@@ -5,7 +5,9 @@ revertible registry patches (``megatron-hcp patch list`` shows them under megatr
 of them giving *one* Bridge module a CPU view of ``torch`` (inside it ``torch.cuda`` calls are
 answered for the CPU; nothing else in the process changes). Bridge's own functions run
 unchanged otherwise. Apply with :func:`apply_bridge_cpu_runtime` (only without CUDA, unless
-forced), after :func:`megatron_hcp.patching.apply_cpu_runtime` for megatron-core.
+forced), after ``megatron_hcp.patching.apply_cpu_runtime(training=True)`` for megatron-core
+(its ``cpu-timers``, ``cpu-dist-checkpointing`` and ``cpu-ddp-wrap`` are what Bridge's loop
+reaches beyond the project's own trainer).
 """
 
 from __future__ import annotations
@@ -115,13 +117,11 @@ def _make_moves_stay_on_cpu(original):
     return wrapper
 
 
-def _views(name: str, summary: str, upstream: str, modules: tuple[str, ...],
-           package: str = "megatron-bridge", versions: tuple[str, ...] = VERSIONS) -> Patch:
-    prefix = _PKG if package == "megatron-bridge" else "megatron"
-    return Patch(name=name, summary=summary, upstream=upstream, versions=versions,
-                 targets=tuple(Target(f"{prefix}.{m}", "torch", CpuDeviceTorch)
-                               for m in modules),
-                 category="cpu-runtime", package=package)
+def _views(name: str, summary: str, upstream: str, modules: tuple[str, ...]) -> Patch:
+    """A CPU view of ``torch`` for each of these Bridge modules."""
+    return Patch(name=name, summary=summary, upstream=upstream, versions=VERSIONS,
+                 targets=tuple(Target(f"{_PKG}.{m}", "torch", CpuDeviceTorch) for m in modules),
+                 category="cpu-runtime", package="megatron-bridge")
 
 
 BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
@@ -196,28 +196,6 @@ BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
            "megatron/bridge/training/checkpointing.py:326 device='cuda'; 491,3155,3167 "
            "torch.cuda.get_rng_state/set_rng_state; 3199 empty_cache",
            ("training.checkpointing",)),
-    # megatron-core modules reached only through Bridge's loop (the project's trainer does not
-    # use them)
-    _views("cpu-timers", "megatron-core's timers synchronize nothing on the CPU",
-           "megatron/core/timers.py:152,165 torch.cuda.synchronize(); 303 timings gathered on "
-           "torch.cuda.current_device()", ("core.timers",), package="megatron-core",
-           versions=("0.19.2",)),
-    _views("cpu-dist-checkpointing", "megatron's distributed checkpointing saves and loads "
-           "from the CPU (no CUDA synchronize; flags and exchange buffers on the CPU)",
-           "megatron/core/dist_checkpointing/strategies/filesystem_async.py:248, "
-           "fully_parallel.py:287,296, async_utils.py:224,273,698 torch.cuda.synchronize / "
-           "current_device(); state_dict_saver.py:204,252 and exchange_utils.py:103,109,329 "
-           "device='cuda'",
-           ("core.dist_checkpointing.strategies.filesystem_async",
-            "core.dist_checkpointing.strategies.fully_parallel",
-            "core.dist_checkpointing.strategies.async_utils",
-            "core.dist_checkpointing.strategies.state_dict_saver",
-            "core.dist_checkpointing.exchange_utils"),
-           package="megatron-core", versions=("0.19.2",)),
-    _views("cpu-ddp-wrap", "megatron's DDP wrapping runs on the CPU (no CUDA stream)",
-           "megatron/training/models/dist_utils.py:303-366 torch.cuda.Stream() around the DDP "
-           "wrap", ("training.models.dist_utils",), package="megatron-core",
-           versions=("0.19.2",)),
 )
 
 

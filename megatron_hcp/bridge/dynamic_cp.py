@@ -99,17 +99,15 @@ def prepare_config(cfg: Any, world_size: int | None = None) -> CPConfig:
     if taken is not None and taken.dynamic and not any(
             getattr(model, f, False) for f in _MEGATRON_DYNAMIC_FLAGS):
         return taken  # this config was prepared before (megatron's flags already off)
+    from .config import world_size_before_init
+
     dist_cfg = getattr(cfg, "dist", None)
     config = cp_config_from_bridge(
-        model, world_size, use_megatron_fsdp=getattr(dist_cfg, "use_megatron_fsdp", False))
+        model, world_size_before_init() if world_size is None else world_size,
+        use_megatron_fsdp=getattr(dist_cfg, "use_megatron_fsdp", False))
     config.validate()
     if config.dynamic:
-        if config.pipeline_model_parallel_size > 1 and not getattr(
-                model, "variable_seq_lengths", False):
-            raise CPConfigError([Violation(
-                "model.variable_seq_lengths", getattr(model, "variable_seq_lengths", None),
-                "dynamic CP with pipeline parallelism sends packed micro-batches of "
-                "different lengths between the stages", "set model.variable_seq_lengths=True")])
+        _check_dynamic_loop(model, config)
         turned_off = [f for f in _MEGATRON_DYNAMIC_FLAGS if getattr(model, f, False)]
         for name in turned_off:
             setattr(model, name, False)
@@ -122,6 +120,33 @@ def prepare_config(cfg: Any, world_size: int | None = None) -> CPConfig:
                 config.dp_cp_size, " / ".join(turned_off))
     _attach(model, config)
     return config
+
+
+def _check_dynamic_loop(model: Any, config: CPConfig) -> None:
+    """What dynamic CP needs of Bridge's loop beyond the CP rules: variable sequence lengths
+    between pipeline stages, and a token cap that holds the longest sequence Bridge's data can
+    bring (``model.seq_length``) on the whole DPxCP group."""
+    from ..sharding import padded_length
+
+    problems = []
+    if config.pipeline_model_parallel_size > 1 and not getattr(model, "variable_seq_lengths",
+                                                               False):
+        problems.append(Violation(
+            "model.variable_seq_lengths", getattr(model, "variable_seq_lengths", None),
+            "dynamic CP with pipeline parallelism sends packed micro-batches of different "
+            "lengths between the stages",
+            "set model.variable_seq_lengths=True (megatron-core also wants "
+            "model.moe_token_dispatcher_type=alltoall with it)"))
+    n, cap, longest = config.dp_cp_size, config.max_seqlen_per_dp_cp_rank, config.seq_length
+    tp = config.tensor_model_parallel_size if getattr(model, "sequence_parallel", False) else 1
+    if longest and cap and padded_length(longest, n, tp) // n > cap:
+        need = padded_length(longest, n, tp) // n
+        problems.append(Violation(
+            "model.max_seqlen_per_dp_cp_rank", cap,
+            f"the longest sequence (model.seq_length={longest}) needs {need} tokens per rank "
+            f"even on all DPxCP={n} ranks", f"set model.max_seqlen_per_dp_cp_rank >= {need}"))
+    if problems:
+        raise CPConfigError(problems)
 
 
 def _rank() -> int:

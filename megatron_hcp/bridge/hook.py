@@ -44,6 +44,7 @@ from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
 from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
+from .config import cp_config_from_bridge
 from .dynamic_cp import cp_config_of, dynamic_cp_targets
 
 __all__ = [
@@ -82,66 +83,11 @@ def _uses_a2a_p2p(comm: Any) -> bool:
 
 def cp_config_from_model_config(model_config: Any, world_size: int | None = None) -> CPConfig:
     """The CP-relevant fields of a Bridge/megatron model config on ``world_size`` ranks
-    (default: one data-parallel replica), read strictly: a size must be an integer >= 1 (never
-    a float, a string or a bool; a missing or ``None`` size is megatron's default 1), the
-    hierarchical sizes a list of such integers; every bad field is one violation of the
-    :class:`CPConfigError` (field, value, rule, fix), raised before anything is built."""
-    from ..config import LIMITS, MAX_RANKS, parse_int
-
-    problems: list[Violation] = []
-
-    def strict(name: str, kind: str, default: int | None) -> int | None:
-        value = getattr(model_config, name, default)
-        if value is None:
-            return default
-        try:
-            return parse_int(value, name, minimum=1, maximum=LIMITS[kind], text=False)
-        except CPConfigError as err:
-            problems.extend(err.violations)
-            return default
-
-    tp = strict("tensor_model_parallel_size", "size", 1)
-    pp = strict("pipeline_model_parallel_size", "size", 1)
-    cp = strict("context_parallel_size", "size", 1)
-    shape = {name: strict(name, kind, None) for name, kind in (
-        ("num_attention_heads", "heads"), ("num_query_groups", "heads"),
-        ("num_layers", "layers"), ("seq_length", "seqlen"))}
-    sizes = getattr(model_config, "hierarchical_context_parallel_sizes", None)
-    if sizes is not None:
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-            problems.append(Violation(
-                "hierarchical_context_parallel_sizes", sizes,
-                "must be a list of integers [a2a, p2p]",
-                "set e.g. hierarchical_context_parallel_sizes=[2, 2]"))
-            sizes = None
-        else:
-            try:
-                sizes = [parse_int(v, f"hierarchical_context_parallel_sizes[{i}]", minimum=1,
-                                   maximum=MAX_RANKS, text=False) for i, v in enumerate(sizes)]
-            except CPConfigError as err:
-                problems.extend(err.violations)
-                sizes = None
-    assert tp is not None and pp is not None and cp is not None
-    if world_size is None:
-        world_size = tp * cp * pp
-    elif not problems and world_size % (tp * cp * pp):
-        problems.append(Violation(
-            "context_parallel_size", cp,
-            f"tp*cp*pp={tp * cp * pp} must divide the world size {world_size}",
-            "change tensor/context/pipeline_model_parallel_size or the number of ranks"))
-    if problems:
-        raise CPConfigError(problems)
-    comm = getattr(model_config, "cp_comm_type", None)
-    return CPConfig(
-        context_parallel_size=cp,
-        cp_comm_type=list(comm) if isinstance(comm, Sequence) and not isinstance(comm, str)
-        else comm,
-        hierarchical_context_parallel_sizes=sizes,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        data_parallel_size=world_size // (tp * cp * pp),
-        **shape,
-    )
+    (default: one data-parallel replica), read strictly
+    (:func:`~megatron_hcp.bridge.config.cp_config_from_bridge`): every bad field is one
+    violation of the :class:`CPConfigError` (field, value, rule, fix), raised before anything
+    is built. The attention backend is left to the layer spec (no TE rules here)."""
+    return cp_config_from_bridge(model_config, world_size, te_version=None)
 
 
 def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = None,

@@ -40,7 +40,7 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     done = [f"import-only {name}" for name in import_shims.install()]
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     if cpu:
-        done += apply_cpu_runtime(force=True)
+        done += apply_cpu_runtime(force=True, training=True)
     for module in _BRIDGE_LOOP:
         importlib.import_module(module)
     if cpu:

@@ -41,7 +41,8 @@ from typing import Any
 
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
 
-__all__ = ["BRIDGE_WORKER", "BridgeRecipe", "bridge_available", "load_bridge_recipe"]
+__all__ = ["BRIDGE_WORKER", "BridgeRecipe", "bridge_available", "build_bridge_config",
+           "load_bridge_recipe"]
 
 BRIDGE_WORKER = "megatron_hcp.functional.bridge_worker"
 ENTRIES = ("pretrain", "finetune")
@@ -107,30 +108,40 @@ class BridgeRecipe:
 
     # ------------------------------------------------------------------ in Bridge's process
     def build(self, *, steps: int | None = None, work_dir: str | None = None) -> Any:
-        """Bridge's ``ConfigContainer`` of this recipe (imports Bridge): the recipe function,
-        the config file, then the overrides; ``work_dir`` holds generated data."""
-        from megatron.bridge.training.utils.omegaconf_utils import (
-            process_config_with_overrides,
-        )
+        """Bridge's ``ConfigContainer`` of this recipe (imports Bridge); ``work_dir`` holds
+        generated data."""
+        return build_bridge_config(self.recipe, self.recipe_args, self.overrides,
+                                   config_file=self.config_file, steps=steps,
+                                   work_dir=work_dir)
 
-        function = _recipe_function(self.recipe)
-        kwargs = dict(self.recipe_args)
-        if "data_dir" in _parameters(function) and "data_dir" not in kwargs:
-            kwargs["data_dir"] = os.path.join(work_dir or ".", "data")
-        cfg = function(**kwargs)
-        ours = [o for o in self.overrides if _key(o).removeprefix("model.") in DEV_DYNAMIC_FIELDS
-                and not hasattr(cfg.model, _key(o).removeprefix("model."))]
-        theirs = [o for o in self.overrides if o not in ours]
-        process_config_with_overrides(
-            cfg, config_filepath=str(self.config_file) if self.config_file else None,
-            cli_overrides=theirs or None)
-        for item in ours:  # set where megatron-hcp reads them (Bridge would drop them)
-            name = _key(item).removeprefix("model.")
-            setattr(cfg.model, name, parse_value(item.partition("=")[2], FIELD_KINDS[name],
-                                                 f"model.{name}"))
-        if steps is not None:
-            cfg.train.train_iters = steps
-        return cfg
+
+def build_bridge_config(recipe: str, recipe_args: dict[str, Any], overrides: Iterable[str],
+                        *, config_file: Path | None = None, steps: int | None = None,
+                        work_dir: str | None = None) -> Any:
+    """Bridge's ``ConfigContainer``: the recipe function (``recipe_args``; ``data_dir`` under
+    ``work_dir`` where it takes one), then ``config_file`` and ``overrides`` through Bridge's
+    own ``process_config_with_overrides`` - except the development-branch dynamic-CP names the
+    model config has no field for, which are set on the provider (module docstring)."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    function = _recipe_function(recipe)
+    kwargs = dict(recipe_args)
+    if "data_dir" in _parameters(function) and "data_dir" not in kwargs:
+        kwargs["data_dir"] = os.path.join(work_dir or ".", "data")
+    cfg = function(**kwargs)
+    overrides = list(overrides)
+    ours = [o for o in overrides if _key(o).removeprefix("model.") in DEV_DYNAMIC_FIELDS
+            and not hasattr(cfg.model, _key(o).removeprefix("model."))]
+    theirs = [o for o in overrides if o not in ours]
+    process_config_with_overrides(cfg, config_filepath=str(config_file) if config_file else None,
+                                  cli_overrides=theirs or None)
+    for item in ours:  # set where megatron-hcp reads them (Bridge would drop them)
+        name = _key(item).removeprefix("model.")
+        setattr(cfg.model, name, parse_value(item.partition("=")[2], FIELD_KINDS[name],
+                                             f"model.{name}"))
+    if steps is not None:
+        cfg.train.train_iters = steps
+    return cfg
 
 
 def _key(override: str) -> str:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from .cpu_runtime import CPU_RUNTIME_PATCHES, apply_cpu_runtime, revert_cpu_runtime
+from .cpu_runtime import (
+    CPU_RUNTIME_PATCHES,
+    TRAINING_CPU_RUNTIME_PATCHES,
+    apply_cpu_runtime,
+    revert_cpu_runtime,
+)
 from .integration import INTEGRATION_PATCHES
 from .registry import Patch, PatchError, apply, is_applied, megatron_core_version, revert
 
@@ -12,6 +17,7 @@ __all__ = [
     "DECENTRALIZED_PATCHES",
     "DYNAMIC_CP_PATCHES",
     "INTEGRATION_PATCHES",
+    "TRAINING_CPU_RUNTIME_PATCHES",
     "Patch",
     "PatchError",
     "apply",
@@ -25,7 +31,8 @@ __all__ = [
     "revert_cpu_runtime",
 ]
 
-ALL_PATCHES: tuple[Patch, ...] = INTEGRATION_PATCHES + CPU_RUNTIME_PATCHES
+ALL_PATCHES: tuple[Patch, ...] = (INTEGRATION_PATCHES + CPU_RUNTIME_PATCHES
+                                  + TRAINING_CPU_RUNTIME_PATCHES)
 
 
 def by_name(names: list[str] | None = None) -> list[Patch]:

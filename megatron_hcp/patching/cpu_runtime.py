@@ -21,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from .registry import Patch, Target, apply, revert
 
-__all__ = ["CPU_RUNTIME_PATCHES", "CpuDeviceTorch", "apply_cpu_runtime", "revert_cpu_runtime"]
+__all__ = ["CPU_RUNTIME_PATCHES", "TRAINING_CPU_RUNTIME_PATCHES", "CpuDeviceTorch",
+           "apply_cpu_runtime", "revert_cpu_runtime"]
 
 VERSIONS = ("0.16.1", "0.19.2")
 _FACTORIES = frozenset(
@@ -330,6 +331,29 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
         ),
         category="cpu-runtime",
     ),
+    _torch_view(
+        "megatron.core.timers",
+        "megatron/core/timers.py:152,165 torch.cuda.synchronize() in _Timer.start/stop; 303 "
+        "timings gathered on torch.cuda.current_device()",
+        "cpu-timers",
+        "megatron's timers synchronize nothing and gather their timings on the CPU",
+    ),
+    Patch(
+        name="cpu-dist-checkpointing",
+        summary="megatron's distributed checkpointing saves and loads from the CPU: no CUDA "
+        "synchronize, flags and exchange buffers on the CPU",
+        upstream="megatron/core/dist_checkpointing/strategies/filesystem_async.py:248, "
+        "fully_parallel.py:287,296, async_utils.py:224,273,698 torch.cuda.synchronize / "
+        "current_device(); state_dict_saver.py:204,252 and exchange_utils.py:103,109,329 "
+        "device='cuda'",
+        versions=VERSIONS,
+        targets=tuple(Target(f"megatron.core.dist_checkpointing.{module}", "torch",
+                             CpuDeviceTorch)
+                      for module in ("strategies.filesystem_async", "strategies.fully_parallel",
+                                     "strategies.async_utils", "strategies.state_dict_saver",
+                                     "exchange_utils")),
+        category="cpu-runtime",
+    ),
     Patch(
         name="cpu-tied-embedding-sync",
         summary="PP>1 tied embeddings are all-reduced where they live",
@@ -348,12 +372,30 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
 )
 
 
-def apply_cpu_runtime(force: bool = False) -> list[str]:
-    """Apply every CPU-runtime patch when CUDA is unavailable (or ``force``); return names."""
+# megatron/training (Megatron-LM's training package, shipped in the megatron-core wheel from 0.19):
+# only Megatron-Bridge's loop imports it (3-4 s), so it is patched on request
+TRAINING_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="cpu-ddp-wrap",
+        summary="megatron's DDP wrapping of a model (megatron/training, used by "
+        "Megatron-Bridge's model build) runs on the CPU: no CUDA stream",
+        upstream="megatron/training/models/dist_utils.py:303-366 torch.cuda.Stream() and "
+        "current_stream().wait_stream around the DDP wrap (0.19.2; 0.16.1 has no such module)",
+        versions=VERSIONS,
+        targets=(Target("megatron.training.models.dist_utils", "torch", CpuDeviceTorch,
+                        versions=("0.19.2",)),),
+        category="cpu-runtime",
+    ),
+)
+
+
+def apply_cpu_runtime(force: bool = False, training: bool = False) -> list[str]:
+    """Apply every CPU-runtime patch when CUDA is unavailable (or ``force``); return names.
+    ``training``: also :data:`TRAINING_CPU_RUNTIME_PATCHES` (megatron/training)."""
     if torch.cuda.is_available() and not force:
         return []
-    return apply(CPU_RUNTIME_PATCHES)
+    return apply(CPU_RUNTIME_PATCHES + (TRAINING_CPU_RUNTIME_PATCHES if training else ()))
 
 
 def revert_cpu_runtime() -> list[str]:
-    return revert(CPU_RUNTIME_PATCHES)
+    return revert(CPU_RUNTIME_PATCHES + TRAINING_CPU_RUNTIME_PATCHES)

@@ -47,15 +47,16 @@ SERIES: tuple[str, ...] = (
     "attention-dynamic-cp-rope", "cross-entropy-model-tp-group", "destroy-forgets-stale-groups",
     "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
     "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr", "cpu-sequence-parallel",
-    "mla-without-te",
+    "mla-without-te", "cpu-timers", "cpu-dist-checkpointing", "cpu-ddp-wrap",
 )
 
 
 def series_for(version: str) -> list[str]:
-    """The names of the patches ``version`` needs, in series order (each has one diff)."""
+    """The names of the patches ``version`` needs, in series order (each has one diff); a patch
+    whose targets do not exist on ``version`` changes nothing there and has no diff."""
     from . import by_name
 
-    return [p.name for p in by_name(list(SERIES)) if p.needed(version)]
+    return [p.name for p in by_name(list(SERIES)) if p.needed(version) and p.targets_for(version)]
 
 
 def megatron_package_dir() -> Path:

@@ -2,9 +2,10 @@
 
 * Python 3.12 leg: the **installed Megatron-Bridge 0.6.2**, Bridge's own code. Two things it needs
   cannot exist without CUDA and are replaced by the smallest shims, named as such:
-  - :func:`te_import_shim`: an *import-only* ``transformer_engine`` module (Bridge's
-    ``peft/lora_layers.py`` imports TE unconditionally; TE cannot be built without CUDA). It is
-    installed after megatron-core is imported, so megatron keeps ``HAVE_TE=False``;
+  - :func:`te_import_shim`: megatron-hcp's *import-only* ``transformer_engine`` (and
+    ``nvidia_resiliency_ext``) stand-ins (:mod:`megatron_hcp.bridge.import_shims`: Bridge imports
+    TE unconditionally and TE cannot be built without CUDA), installed after megatron-core is
+    imported, so megatron keeps ``HAVE_TE=False``;
   - :func:`build_recorder`: ``model_load_save.build_and_load_model`` (builds a TE model and loads
     its weights) returns the config it would build from, so a test can read what Bridge's own
     ``load_megatron_model`` decided.
@@ -49,40 +50,11 @@ class RecordingTEAttention(torch.nn.Module):
 
 
 def te_import_shim() -> None:
-    """``transformer_engine`` for imports only: any attribute chain resolves to a placeholder."""
-    if "transformer_engine" in sys.modules:
-        return
-    _install_te_import_shim()
+    """``transformer_engine`` for imports only (megatron-hcp's stand-in, also used by its
+    Bridge runtime): any attribute chain resolves to a placeholder."""
+    from megatron_hcp.bridge import import_shims
 
-
-def _install_te_import_shim() -> None:
-
-    class _Meta(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Meta(name, (), {})
-
-    class _Any(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            if name[:1].islower():
-                sub = _Any(f"{self.__name__}.{name}")
-                sub.__path__ = []
-                setattr(self, name, sub)
-                sys.modules.setdefault(sub.__name__, sub)
-                return sub
-            return _Meta(name, (), {})
-
-    root = _Any("transformer_engine")
-    root.__path__ = []
-    root.__version__ = "0.0.0+import-only-shim"
-    sys.modules["transformer_engine"] = root
-    for name in ("pytorch", "common", "common.recipe"):
-        module = root
-        for part in name.split("."):
-            module = getattr(module, part)
+    import_shims.install()
 
 
 def load() -> dict[str, Any]:
@@ -122,9 +94,9 @@ def release() -> None:
 
         standin.remove_standin()
         return
-    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
-        if getattr(sys.modules[name], "__name__", "").startswith("transformer_engine"):
-            del sys.modules[name]
+    from megatron_hcp.bridge import import_shims
+
+    import_shims.remove()
 
 
 def provider_class(mods: dict[str, Any]) -> type:

@@ -156,7 +156,7 @@ def test_every_bad_bridge_field_is_reported_at_once():
     with pytest.raises(CPConfigError) as info:
         hook.cp_config_from_model_config(cfg, 8)
     assert {v.parameter for v in info.value.violations} == {
-        "tensor_model_parallel_size", "context_parallel_size", "num_layers"}
+        "model.tensor_model_parallel_size", "model.context_parallel_size", "model.num_layers"}
 
 
 # ------------------------------------------------------------- load_megatron_model decision

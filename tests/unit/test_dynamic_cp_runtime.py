@@ -134,6 +134,62 @@ def test_dynamic_hierarchical_levels_match_the_layout(world, cp, hcp, min_size, 
 VARLEN = dict(min_len=8, max_len=160, mean=40, sigma=1.0, samples_per_micro_batch=2)
 
 
+def uneven_replicas_case(counts: list[int]):
+    """DP replicas load different numbers of samples (packed rows hold different numbers of
+    sequences): every rank's packed micro-batches are the packing of the plan's samples, and
+    the plan places every sample of every replica once (TP2 x CP2 x DP2, dynamic CP)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.dynamic_cp.packing import pack_thd
+    from megatron_hcp.dynamic_cp.runtime import DynamicCPDataPath
+    from megatron_hcp.parallel_state.mpu import (
+        destroy_model_parallel,
+        dynamic_cp_groups,
+        initialize_model_parallel,
+    )
+
+    def sample(i: int) -> torch.Tensor:
+        n = 6 + 5 * i
+        return torch.stack([torch.arange(n) + 100 * i, torch.arange(n) + 1 + 100 * i,
+                            torch.ones(n, dtype=torch.int64)])
+
+    config = CPConfig(context_parallel_size=2, tensor_model_parallel_size=2,
+                      data_parallel_size=2, dynamic_context_parallel=True,
+                      max_seqlen_per_dp_cp_rank=16)
+    initialize_model_parallel(config, create_gloo_process_groups=False)
+    try:
+        groups = dynamic_cp_groups()
+        path = DynamicCPDataPath(groups, dp_group=ps.get_data_parallel_group(),
+                                 cp_group=ps.get_context_parallel_group(),
+                                 tp_group=ps.get_tensor_model_parallel_group(),
+                                 max_seqlen_per_dp_cp_rank=16, hardware=None)
+        replica = ps.get_data_parallel_rank()
+        first = sum(counts[:replica])
+        plan, micro = path.step(range(first, first + counts[replica]), sample)
+        same = []
+        for mb, got in zip(plan.micro_batches, micro):
+            group = next((g for g in mb.groups if groups.position in g.ranks), None)
+            if group is None:
+                same.append(got.loss_mask.sum().item() == 0)  # an idle rank's dummy
+                continue
+            want = pack_thd([sample(i) for i in group.samples], len(group.ranks),
+                            groups.position - group.ranks[0])
+            same.append(torch.equal(got.tokens, want.tokens)
+                        and torch.equal(got.labels, want.labels))
+        placed = sorted(i for mb in plan.micro_batches for g in mb.groups for i in g.samples)
+        return all(same), placed
+    finally:
+        destroy_model_parallel()
+
+
+def test_replicas_with_different_sample_counts(world):
+    counts = [3, 5]
+    for same, placed in world.run(uneven_replicas_case, counts):
+        assert same, "a rank's packed micro-batch differs from the plan's samples"
+        assert placed == list(range(sum(counts)))
+
+
 def train(tp: int, cp: int, pp: int, dynamic: bool, vpp: int | None = None, *,
           decentralized: bool = False, lengths: list[int] | None = None, cap: int = 96,
           batch: int = 8, steps: int = 2, min_size: int = 1, patches: bool = True,
