@@ -11,6 +11,7 @@ every rank at the end of training (Bridge may destroy the process group it creat
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -38,6 +39,9 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     from .hook import install
 
     done = [f"import-only {name}" for name in import_shims.install()]
+    # Bridge logs each optional import it probes and misses (e.g. TE's FP8 pieces) with a whole
+    # traceback at INFO; those are no errors of the run
+    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     if cpu:
         done += apply_cpu_runtime(force=True, training=True)

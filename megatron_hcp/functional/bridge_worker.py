@@ -10,12 +10,13 @@ are Bridge's own (``torch_dist``): saved every K steps into D, resumed from step
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import sys
 from typing import Any
+
+from .worker import worker_parser
 
 
 def _metrics(history: dict[str, list], first_step: int) -> dict:
@@ -52,16 +53,8 @@ def _base_checkpoint(recipe: Any, work_dir: str, pretrain: Any, forward_step: An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("recipe")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--work-dir", required=True)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--cp1", action="store_true")
-    parser.add_argument("--checkpoint-dir")
-    parser.add_argument("--save-at", type=int, action="append", default=[])
-    parser.add_argument("--resume-from", type=int)
-    parser.add_argument("--platform", default="cpu_gloo")
+    parser = worker_parser()
+    parser.add_argument("--work-dir", required=True)  # generated data, the base checkpoint
     opts = parser.parse_args(argv)
 
     import torch

@@ -52,7 +52,9 @@ def _metrics(history: dict, first_step: int, histories: list[dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def worker_parser() -> argparse.ArgumentParser:
+    """The command line of a recipe's worker (this one and Bridge's), as
+    ``harness.run_recipe`` builds it."""
     parser = argparse.ArgumentParser()
     parser.add_argument("recipe")
     parser.add_argument("--out", required=True)
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-at", type=int, action="append", default=[])
     parser.add_argument("--resume-from", type=int)
     parser.add_argument("--platform", default="cpu_gloo")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = worker_parser().parse_args(argv)
 
     import dataclasses
 
