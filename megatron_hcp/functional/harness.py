@@ -87,8 +87,8 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
             return {}
         if code != 0 or not out.is_file():
             # a rank's own exception (torchrun prefixes it) before any other error-like line
-            own = re.compile(r"\[rank\d+\]: \w+(Error|Exception): ")
-            errors = ([line for line in log if own.match(line)]
+            own = re.compile(r"\[rank\d+\]: \w+(Error|Exception): |terminate called|what\(\): ")
+            errors = ([line for line in log if own.search(line)]
                       or [line for line in log if re.search(r"\w+(Error|Exception): ", line)])
             tail = "".join(errors[:3]) + "".join(log[-40:])
             raise RecipeRunError(f"{recipe.name}{' (CP=1)' if cp1 else ''} failed with exit "

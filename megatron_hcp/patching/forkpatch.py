@@ -52,11 +52,11 @@ SERIES: tuple[str, ...] = (
 
 
 def series_for(version: str) -> list[str]:
-    """The names of the patches ``version`` needs, in series order (each has one diff); a patch
-    whose targets do not exist on ``version`` changes nothing there and has no diff."""
+    """The names of the patches ``version`` needs, in series order (each has one diff; a patch
+    whose targets do not exist on ``version`` is not needed there and has none)."""
     from . import by_name
 
-    return [p.name for p in by_name(list(SERIES)) if p.needed(version) and p.targets_for(version)]
+    return [p.name for p in by_name(list(SERIES)) if p.needed(version)]
 
 
 def megatron_package_dir() -> Path:

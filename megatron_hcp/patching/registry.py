@@ -168,13 +168,17 @@ class Patch:
         return self.fixed_in is not None and version_key(version) >= version_key(self.fixed_in)
 
     def needed(self, version: str | None = None) -> bool:
-        """Applied on ``version``: written for it and not fixed upstream."""
-        return self.supports(version) and not self.fixed_upstream(version)
+        """Applied on ``version``: written for it, not fixed upstream, and something to change
+        there (a target can exist on some of the patch's versions only)."""
+        return (self.supports(version) and not self.fixed_upstream(version)
+                and bool(self.targets_for(version)))
 
     def status(self, version: str | None = None) -> str:
         """One phrase for ``version``: written for it, fixed upstream, or not written for it."""
         if self.fixed_upstream(version):
             return f"fixed upstream in {self.fixed_in}"
+        if self.supports(version) and not self.targets_for(version):
+            return "nothing to change in this version (its code is not there)"
         if self.supports(version):
             return "written for this version"
         return "not written for this version"
@@ -215,7 +219,9 @@ def is_applied(patch: Patch) -> bool:
     """True when every target currently holds this patch's replacement."""
     if patch.missing_requirement() or not patch.supports():
         return False
-    return all(getattr(_current(t), _NAME, None) == patch.name for t in patch.targets_for())
+    targets = patch.targets_for()
+    return bool(targets) and all(getattr(_current(t), _NAME, None) == patch.name
+                                 for t in targets)
 
 
 def _raw(owner: Any, attr: str) -> Any:
@@ -239,8 +245,9 @@ def apply(patches: Iterable[Patch], version: str | None = None) -> list[str]:
         if missing and patch.package != MEGATRON_CORE:
             raise PatchError(f"patch {patch.name!r} {missing}")
         release = version or patch.installed()
-        if patch.fixed_upstream(release) or is_applied(patch):
-            continue
+        if patch.fixed_upstream(release) or is_applied(patch) or (
+                patch.supports(release) and not patch.targets_for(release)):
+            continue  # nothing to do: fixed, applied, or its code is not in this release
         if not patch.supports(release):
             raise PatchError(
                 f"patch {patch.name!r} was written for {patch.package} "

@@ -32,6 +32,7 @@ def test_dynamic_hcp_recipe_runs_hierarchical_groups():
 def test_every_recipe_is_tested():
     from megatron_hcp.functional.recipe import list_recipes
     from tests.functional import (
+        test_recipes_bridge,
         test_recipes_main_job,
         test_recipes_resume,
         test_recipes_static_cp,
@@ -39,5 +40,6 @@ def test_every_recipe_is_tested():
     )
 
     tested = [*RECIPES, *test_recipes_main_job.RECIPES, *test_recipes_resume.RECIPES,
-              *test_recipes_static_cp.RECIPES, *test_recipes_tp_pp_cp.RECIPES]
+              *test_recipes_static_cp.RECIPES, *test_recipes_tp_pp_cp.RECIPES,
+              *test_recipes_bridge.RECIPES]
     assert sorted(tested) == list_recipes()

@@ -93,8 +93,10 @@ def test_check_apply_revert_round_trip(pristine, tmp_path):
     assert version == INSTALLED
     assert {s.name: s.state for s in status if s.has_diff} == dict.fromkeys(series, "applicable")
     fixed = {s.name: s.state for s in status if not s.has_diff}
-    assert fixed == {p.name: f"fixed upstream in {p.fixed_in}" for p in ALL_PATCHES
-                     if p.fixed_upstream(INSTALLED)}
+    assert fixed == {p.name: p.status(INSTALLED) for p in ALL_PATCHES
+                     if p.fixed_upstream(INSTALLED) or not p.targets_for(INSTALLED)}
+    assert all(state.startswith(("fixed upstream in", "nothing to change"))
+               for state in fixed.values())
     assert apply_diffs(target) == series
     assert {s.state for s in check_diffs(target)[1] if s.has_diff} == {"applied"}
     assert apply_diffs(target) == []  # idempotent
@@ -199,6 +201,8 @@ def test_check_reports_every_release_and_writes_nothing(releases, version, capsy
         label = next(k for k in states if patch.name in k)
         if patch.fixed_upstream(version):
             assert states[label] == f"fixed upstream in {patch.fixed_in}"
+        elif version in VERSIONS and not patch.targets_for(version):  # its code is not there
+            assert states[label].startswith("nothing to change"), (patch.name, states[label])
         elif version in VERSIONS:
             assert states[label] == "applicable", (patch.name, states[label])
         else:
