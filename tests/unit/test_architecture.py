@@ -71,8 +71,25 @@ def test_lower_layers_never_import_upper_ones(lower, upper):
 
 
 def test_sharding_and_config_import_nothing_of_the_project():
-    for name in ("megatron_hcp.sharding", "megatron_hcp.config"):
-        assert not GRAPH[name], (name, GRAPH[name])
+    """sharding imports nothing of the project; config's modules import only config's."""
+    assert not GRAPH["megatron_hcp.sharding"], GRAPH["megatron_hcp.sharding"]
+    outside = sorted((src, dst) for src, deps in GRAPH.items() if _under(src, "megatron_hcp.config")
+                     for dst in deps if not _under(dst, "megatron_hcp.config"))
+    assert outside == [], outside
+
+
+# megatron_hcp.config's modules, lowest first: each imports only those before it
+CONFIG_ORDER = ["errors", "values", "flags", "rules"]
+
+
+def test_config_modules_import_only_lower_ones():
+    """The value parsers never import the rules (nor the flag readers): the lowest layer."""
+    rank = {f"megatron_hcp.config.{m}": i for i, m in enumerate(CONFIG_ORDER)}
+    assert sorted(rank) == sorted(n for n in MODULES if _under(n, "megatron_hcp.config")
+                                  and n != "megatron_hcp.config"), "place every config module"
+    bad = sorted((src, dst) for src in rank for dst in GRAPH[src]
+                 if dst == "megatron_hcp.config" or rank.get(dst, -1) >= rank[src])
+    assert bad == [], bad
 
 
 def test_process_group_code_lives_in_parallel_state():
@@ -110,3 +127,25 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def test_every_name_imported_from_config_exists():
+    """``from megatron_hcp.config import X`` works for every X the repository imports (config is
+    a package of modules; its ``__init__`` re-exports them)."""
+    import megatron_hcp.config as config
+
+    repo = PKG.parent
+    wanted: dict[str, str] = {}
+    for path in [p for d in ("megatron_hcp", "tests", "benchmarks", "patches")
+                 for p in (repo / d).rglob("*.py")]:
+        parts = path.relative_to(repo).with_suffix("").parts
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            if ".".join(base + ([node.module] if node.module else [])) == "megatron_hcp.config":
+                wanted.update({a.name: str(path.relative_to(repo)) for a in node.names})
+    assert {"CPConfig", "CPConfigError", "parse_value"} <= set(wanted)
+    missing = sorted((name, where) for name, where in wanted.items() if not hasattr(config, name))
+    assert missing == [], missing
