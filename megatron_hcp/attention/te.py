@@ -22,9 +22,9 @@ import torch
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
 
-__all__ = ["TEUnavailableError", "have_te", "installed_te_version", "make_te_forward",
-           "make_te_init", "rebind_te_cp_groups", "require_te_feature", "te_attention_class",
-           "te_unavailable_reason"]
+__all__ = ["TEUnavailableError", "carries_te_cp_groups", "have_te", "installed_te_version",
+           "make_te_forward", "make_te_init", "rebind_te_cp_groups", "require_te_feature",
+           "te_attention_class", "te_unavailable_reason"]
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -155,6 +155,13 @@ def rebind_te_cp_groups(module: Any, pg_collection: Any, context_parallel_size: 
     return groups
 
 
+# set on the wrappers below: a TE class whose __init__ and forward carry it has the runtime patch
+_WRAPPER_MARK = "__megatron_hcp_te_cp_groups__"
+# the fork-style diff of the same patch marks every edit in megatron's source with this text
+# (patches/megatron-core-*/NNNN-te-attention-hcp.patch)
+FORK_DIFF_MARKER = "megatron-hcp te-attention-hcp"
+
+
 def make_te_init(original_init):
     """``TEDotProductAttention.__init__`` whose CP groups come from :func:`resolve_cp_groups`.
 
@@ -177,6 +184,7 @@ def make_te_init(original_init):
         self._cp_resolution = (pg_collection, cp_comm_type, static)
         _apply_te_groups(self, static)
 
+    setattr(__init__, _WRAPPER_MARK, True)
     return __init__
 
 
@@ -208,20 +216,50 @@ def make_te_forward(original_forward):
         finally:
             _apply_te_groups(self, static)
 
+    setattr(forward, _WRAPPER_MARK, True)
     return forward
+
+
+def carries_te_cp_groups(cls: Any) -> bool:
+    """True when megatron's TE attention class ``cls`` takes its CP groups from
+    :func:`resolve_cp_groups`: the ``te-attention-hcp`` patch is applied at run time (its
+    ``__init__`` and ``forward`` are :func:`make_te_init` / :func:`make_te_forward`'s wrappers),
+    or the patch's fork-style diff is applied to megatron's source (the file defining ``cls``
+    carries the diff's marker). Reads ``cls`` only, so the patch layer above need not be asked.
+    """
+    import inspect
+
+    if all(getattr(inspect.getattr_static(cls, name, None), _WRAPPER_MARK, None) is True
+           for name in ("__init__", "forward")):
+        return True
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:  # built-in or no source
+        return False
+    if source is None:
+        return False
+    try:
+        with open(source, encoding="utf-8") as file:
+            return FORK_DIFF_MARKER in file.read()
+    except OSError:
+        return False
 
 
 def te_attention_class():
     """megatron's ``TEDotProductAttention`` once the ``te-attention-hcp`` patch is applied (its
     CP groups then come from :func:`resolve_cp_groups`); refused, naming the patch, before."""
-    from ..patching import require_applied
-
     reason = te_unavailable_reason()
     if reason is not None:
         raise TEUnavailableError(
             f"backend='te' needs Transformer Engine: {reason}. Fix the installation, or use "
             "backend='reference' (or 'auto', which falls back with a warning)")
-    require_applied(("te-attention-hcp",), "the Transformer Engine attention backend")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
+    if not carries_te_cp_groups(TEDotProductAttention):
+        raise TEUnavailableError(
+            "the Transformer Engine attention backend needs the megatron-core patches "
+            "['te-attention-hcp'] (without it TEDotProductAttention reads megatron's global "
+            "hierarchical CP groups, not pg_collection.hcp); apply them first "
+            "(megatron_hcp.patching.apply(megatron_hcp.patching.by_name(['te-attention-hcp'])) "
+            "or `megatron-hcp patch apply`)")
     return TEDotProductAttention
