@@ -155,13 +155,6 @@ def rebind_te_cp_groups(module: Any, pg_collection: Any, context_parallel_size: 
     return groups
 
 
-# set on the wrappers below: a TE class whose __init__ and forward carry it has the runtime patch
-_WRAPPER_MARK = "__megatron_hcp_te_cp_groups__"
-# the fork-style diff of the same patch marks every edit in megatron's source with this text
-# (patches/megatron-core-*/NNNN-te-attention-hcp.patch)
-FORK_DIFF_MARKER = "megatron-hcp te-attention-hcp"
-
-
 def make_te_init(original_init):
     """``TEDotProductAttention.__init__`` whose CP groups come from :func:`resolve_cp_groups`.
 
@@ -184,7 +177,6 @@ def make_te_init(original_init):
         self._cp_resolution = (pg_collection, cp_comm_type, static)
         _apply_te_groups(self, static)
 
-    setattr(__init__, _WRAPPER_MARK, True)
     return __init__
 
 
@@ -216,8 +208,19 @@ def make_te_forward(original_forward):
         finally:
             _apply_te_groups(self, static)
 
-    setattr(forward, _WRAPPER_MARK, True)
     return forward
+
+
+# the te-attention-hcp patch's fork-style diff marks every edit in megatron's source with this text
+# (patches/megatron-core-*/NNNN-te-attention-hcp.patch)
+FORK_DIFF_MARKER = "megatron-hcp te-attention-hcp"
+
+
+def _made_by(factory: Any, function: Any) -> bool:
+    """True when ``function`` is one that ``factory`` returns (its code is the factory's inner
+    function's code)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code in factory.__code__.co_consts
 
 
 def carries_te_cp_groups(cls: Any) -> bool:
@@ -229,8 +232,8 @@ def carries_te_cp_groups(cls: Any) -> bool:
     """
     import inspect
 
-    if all(getattr(inspect.getattr_static(cls, name, None), _WRAPPER_MARK, None) is True
-           for name in ("__init__", "forward")):
+    if _made_by(make_te_init, inspect.getattr_static(cls, "__init__", None)) and _made_by(
+            make_te_forward, inspect.getattr_static(cls, "forward", None)):
         return True
     try:
         source = inspect.getsourcefile(cls)
