@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _typed(kind: str, name: str = "the value", **bounds: Any) -> Callable[[str], Any]:
-    """An argparse ``type`` that reads the value with the one strict parser of config.py."""
+    """An argparse ``type`` that reads the value with the one strict parser (config.values)."""
     from .config import argument_type
 
     return argument_type(kind, name, **bounds)

@@ -22,9 +22,9 @@ import torch
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
 
-__all__ = ["TEUnavailableError", "have_te", "installed_te_version", "make_te_forward",
-           "make_te_init", "rebind_te_cp_groups", "require_te_feature", "te_attention_class",
-           "te_unavailable_reason"]
+__all__ = ["TEUnavailableError", "carries_te_cp_groups", "have_te", "installed_te_version",
+           "make_te_forward", "make_te_init", "rebind_te_cp_groups", "require_te_feature",
+           "te_attention_class", "te_unavailable_reason"]
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -211,17 +211,58 @@ def make_te_forward(original_forward):
     return forward
 
 
+# the te-attention-hcp patch's fork-style diff marks every edit in megatron's source with this text
+# (patches/megatron-core-*/NNNN-te-attention-hcp.patch)
+FORK_DIFF_MARKER = "megatron-hcp te-attention-hcp"
+
+
+def _made_by(factory: Any, function: Any) -> bool:
+    """True when ``function`` is one that ``factory`` returns (its code is the factory's inner
+    function's code)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code in factory.__code__.co_consts
+
+
+def carries_te_cp_groups(cls: Any) -> bool:
+    """True when megatron's TE attention class ``cls`` takes its CP groups from
+    :func:`resolve_cp_groups`: the ``te-attention-hcp`` patch is applied at run time (its
+    ``__init__`` and ``forward`` are :func:`make_te_init` / :func:`make_te_forward`'s wrappers),
+    or the patch's fork-style diff is applied to megatron's source (the file defining ``cls``
+    carries the diff's marker). Reads ``cls`` only, so the patch layer above need not be asked.
+    """
+    import inspect
+
+    if _made_by(make_te_init, inspect.getattr_static(cls, "__init__", None)) and _made_by(
+            make_te_forward, inspect.getattr_static(cls, "forward", None)):
+        return True
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:  # built-in or no source
+        return False
+    if source is None:
+        return False
+    try:
+        with open(source, encoding="utf-8") as file:
+            return FORK_DIFF_MARKER in file.read()
+    except OSError:
+        return False
+
+
 def te_attention_class():
     """megatron's ``TEDotProductAttention`` once the ``te-attention-hcp`` patch is applied (its
     CP groups then come from :func:`resolve_cp_groups`); refused, naming the patch, before."""
-    from ..patching import require_applied
-
     reason = te_unavailable_reason()
     if reason is not None:
         raise TEUnavailableError(
             f"backend='te' needs Transformer Engine: {reason}. Fix the installation, or use "
             "backend='reference' (or 'auto', which falls back with a warning)")
-    require_applied(("te-attention-hcp",), "the Transformer Engine attention backend")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
+    if not carries_te_cp_groups(TEDotProductAttention):
+        raise TEUnavailableError(
+            "the Transformer Engine attention backend needs the megatron-core patches "
+            "['te-attention-hcp'] (without it TEDotProductAttention reads megatron's global "
+            "hierarchical CP groups, not pg_collection.hcp); apply them first "
+            "(megatron_hcp.patching.apply(megatron_hcp.patching.by_name(['te-attention-hcp'])) "
+            "or `megatron-hcp patch apply`)")
     return TEDotProductAttention

@@ -1,52 +1,33 @@
-"""One validated description of a context-parallel (CP) setup.
-
-Vocabulary used throughout the project:
-
-* **CP size** - ranks that split one sequence (``context_parallel_size``).
-* **a2a level / p2p level** - the two levels of hierarchical CP (``cp_comm_type="a2a+p2p"``):
-  ``hierarchical_context_parallel_sizes = [a2a, p2p]``; level 0 (a2a) is the inner, contiguous
-  group, level 1 (p2p) the outer, strided ring.
-* **local heads** - attention heads per tensor-parallel rank.
-* **dynamic group** - with dynamic CP, the per-micro-batch CP group carved out of DPxCP.
+"""The CP rules: :class:`CPConfig`, one validated description of a context-parallel setup.
 
 :class:`CPConfig` uses megatron's field names; :meth:`CPConfig.validate` checks every rule at once
-and raises one :class:`CPConfigError` listing each violated rule with its parameter, value, rule
-and fix. Validation is pure (no collectives), so every rank raises the same error before any
-process group exists.
+and raises one :class:`~.errors.CPConfigError` listing each violated rule with its parameter,
+value, rule and fix. Validation is pure (no collectives), so every rank raises the same error
+before any process group exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from .errors import CPConfigError, Violation
+from .flags import check_pairs, read_flags
+from .values import _VERSION_TEXT, FIELD_KINDS, LIMITS, MAX_RANKS, parse_version, version_tuple
 
 __all__ = [
     "CP_COMM_TYPES",
     "CPConfig",
     "DEFAULT_CP_COMM_TYPE",
-    "CPConfigError",
-    "FIELD_KINDS",
-    "LIMITS",
-    "MAX_INT",
-    "MAX_RANKS",
-    "MAX_SEQUENCES",
-    "MAX_SEQ_LENGTH",
-    "MAX_STEPS",
-    "Violation",
-    "argument_type",
+    "MIN_TE_VERSION_A2A_P2P",
+    "MIN_TE_VERSION_A2A_P2P_THD",
+    "SOFTMAX_TYPES",
+    "Backend",
     "comm_type_or_default",
     "is_power_of_two",
-    "parse_bool",
-    "parse_float",
-    "parse_int",
-    "parse_value",
-    "parse_version",
-    "version_tuple",
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -57,6 +38,8 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron's Transformer
 def comm_type_or_default(cp_comm_type: str | None) -> str:
     """``cp_comm_type`` as megatron reads it: None means :data:`DEFAULT_CP_COMM_TYPE`."""
     return cp_comm_type or DEFAULT_CP_COMM_TYPE
+
+
 MIN_TE_VERSION_A2A_P2P = (1, 12)
 # Transformer Engine refused a2a+p2p with packed THD input (an assertion in
 # attn_forward_func_with_cp) up to its 2.18 release; its main branch dropped the gate in
@@ -66,45 +49,9 @@ MIN_TE_VERSION_A2A_P2P_THD = (2, 20)
 Backend = Literal["auto", "te", "reference"]
 
 
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: which parameter, its value, the rule, and how to fix it."""
-
-    parameter: str
-    value: Any
-    rule: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.parameter}={self.value!r}: {self.rule}. Fix: {self.fix}."
-
-
-class CPConfigError(ValueError):
-    """Raised by :meth:`CPConfig.validate`; ``violations`` lists every broken rule."""
-
-    def __init__(self, violations: Sequence[Violation]):
-        self.violations = list(violations)
-        lines = "\n".join(f"  - {v}" for v in self.violations)
-        super().__init__(f"invalid context-parallel configuration:\n{lines}")
-
-
 def is_power_of_two(n: int) -> bool:
     """The one power-of-two rule (dynamic CP sizes, DPxCP, aligned blocks)."""
     return n >= 1 and (n & (n - 1)) == 0
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """Numeric release parts of a version text: ``"2.20.0.dev0+abc"`` -> ``(2, 20, 0)``,
-    ``"2.20rc1"`` -> ``(2, 20)``; a pre-release compares like its release."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        match = re.match(r"[0-9]+", piece)
-        if match is None:
-            break
-        parts.append(int(match.group()))
-        if match.end() != len(piece):
-            break
-    return tuple(parts)
 
 
 @dataclass
@@ -348,7 +295,7 @@ class CPConfig:
             )
         if not self.uses_hierarchical:
             # An error, not a warning: the groups would be built but never used, so a user who
-            # believes HCP is active would silently train with flat CP (see README, "Rules").
+            # believes HCP is active would silently train with flat CP (docs/configuration.md).
             out.append(
                 Violation(
                     name,
@@ -684,10 +631,7 @@ class CPConfig:
     def from_pairs(cls, pairs: Sequence[str]) -> CPConfig:
         """Build from ``key=value`` strings (megatron field names; lists as ``[2,2]``): the
         thin alias of :meth:`from_args` (``key=value`` is ``--key value``)."""
-        problems = [Violation(pair, None, "arguments are key=value",
-                              "write e.g. seq_length=4096") for pair in pairs if "=" not in pair]
-        if problems:
-            raise CPConfigError(problems)
+        check_pairs(pairs)
         return cls.from_args(pairs)
 
     @classmethod
@@ -697,273 +641,7 @@ class CPConfig:
         --hierarchical-context-parallel-sizes 2 2 --dynamic-context-parallel``. A bare flag of a
         boolean field is true; list fields take several values (or ``[2,2]``, ``2,2``);
         ``key=value`` / ``--key=value`` are thin aliases. Every value is read by
-        :func:`parse_value` with its field's kind; every bad argument is reported at once.
+        :func:`~.values.parse_value` with its field's kind (:func:`~.flags.read_flags`); every
+        bad argument is reported at once.
         """
-        known = cls.field_names()
-        problems: list[Violation] = []
-        given: dict[str, list[str]] = {}
-        current: str | None = None
-        for arg in args:
-            text = str(arg)
-            flag, sep, inline = text.partition("=")
-            if text.startswith("--") or (sep and not text.startswith("-")):
-                key = flag.lstrip("-").strip().replace("-", "_")
-                if key not in known:
-                    problems.append(Violation(flag, inline or None, "unknown parameter",
-                                              "use one of " + ", ".join(
-                                                  f"--{k.replace('_', '-')}" for k in known)))
-                    current = None
-                    continue
-                given[key] = [inline] if sep else []
-                current = None if sep else key
-            elif current is not None:
-                given[current].append(text)
-            else:
-                problems.append(Violation(text, None, "a value without a flag",
-                                          "write --flag value (e.g. --context-parallel-size 4)"))
-        kwargs: dict[str, Any] = {}
-        for key, values in given.items():
-            kind = FIELD_KINDS[key]
-            try:
-                if not values:
-                    if kind.lstrip("?") != "bool":
-                        raise CPConfigError([Violation(
-                            f"--{key.replace('_', '-')}", None, "needs a value",
-                            f"write --{key.replace('_', '-')} <value>")])
-                    kwargs[key] = True
-                elif kind.lstrip("?") in ("sizes", "strs", "window") and len(values) > 1:
-                    kwargs[key] = parse_value(",".join(values), kind, key)
-                elif len(values) > 1:
-                    raise CPConfigError([Violation(
-                        f"--{key.replace('_', '-')}", values, "takes one value",
-                        f"write --{key.replace('_', '-')} <value>")])
-                else:
-                    kwargs[key] = parse_value(values[0], kind, key)
-            except CPConfigError as err:
-                problems.extend(err.violations)
-        if problems:
-            raise CPConfigError(problems)
-        return cls(**kwargs)
-
-
-# ---------------------------------------------------------------------- the one value parser
-MAX_RANKS = 1 << 17
-"""Upper bound of every size and world size (131072 ranks): beyond it rank lists exhaust
-memory before anything useful happens."""
-MAX_SEQ_LENGTH = 1 << 26
-"""Tokens in one sequence or on one rank (64 Mi)."""
-MAX_SEQUENCES = 1 << 16
-"""Sequences in one global batch or one schedule input (65536; measured: the scheduler plans
-10000 sequences in ~1 s and 100000 in ~25 s on this 2-core VM)."""
-MAX_STEPS = 100_000
-"""Training steps of one run, and the steps a golden-values file may cover."""
-MAX_INT = (1 << 63) - 1
-"""Every other integer is an int64 (larger ones overflow floats and tensors)."""
-# parse_value kinds with their bounds (1..limit): every count a user gives is bounded
-LIMITS: dict[str, int] = {
-    "size": MAX_RANKS,
-    "seqlen": MAX_SEQ_LENGTH,
-    "layers": 1 << 12,
-    "heads": 1 << 14,
-    "width": 1 << 20,  # hidden, FFN and head sizes
-    "vocab": 1 << 24,
-    "steps": MAX_STEPS,
-    "sequences": MAX_SEQUENCES,
-    "posint": MAX_INT,
-}
-
-_INT_TEXT = re.compile(r"[+-]?[0-9]+")
-_VERSION_TEXT = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc|\.post|\.dev)[0-9]+)*(\+[A-Za-z0-9.]+)?")
-_BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
-_NONE_TEXT = ("none", "null")
-
-# CPConfig field -> kind for parse_value ("?" prefix: None allowed)
-FIELD_KINDS: dict[str, str] = {
-    "context_parallel_size": "size",
-    "cp_comm_type": "?strs",
-    "hierarchical_context_parallel_sizes": "?sizes",
-    "tensor_model_parallel_size": "size",
-    "pipeline_model_parallel_size": "size",
-    "data_parallel_size": "size",
-    "num_attention_heads": "?heads",
-    "num_query_groups": "?heads",
-    "num_layers": "?layers",
-    "seq_length": "?seqlen",
-    "dynamic_context_parallel": "bool",
-    "min_dynamic_context_parallel_size": "size",
-    "max_seqlen_per_dp_cp_rank": "?seqlen",
-    "hybrid_context_parallel": "bool",
-    "calculate_per_token_loss": "?bool",
-    "cuda_graph_impl": "str",
-    "enable_cuda_graph": "bool",
-    "use_megatron_fsdp": "bool",
-    "te_version": "?version",
-    "cp_attention_backend": "str",
-    "window_size": "?window",
-    "softmax_type": "str",
-}
-
-
-def _bad(name: str, value: Any, rule: str, fix: str) -> CPConfigError:
-    return CPConfigError([Violation(name, value, rule, fix)])
-
-
-def parse_int(value: Any, name: str, *, minimum: int | None = None,
-              maximum: int | None = None, text: bool = True) -> int:
-    """An integer from an int (never a bool or a float) or, with ``text``, integer digits."""
-    if isinstance(value, str) and text and _INT_TEXT.fullmatch(value.strip()):
-        value = int(value.strip())
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = int(value)  # numpy and torch integers are integers
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(name, value, "must be an integer", f"give {name} an integer, e.g. 4")
-    if minimum is not None and value < minimum:
-        raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise _bad(name, value, f"must be <= {maximum}", f"use a value <= {maximum}")
-    if abs(value) > MAX_INT:
-        raise _bad(name, _short(value), f"must be within +-{MAX_INT} (int64)",
-                   "use a smaller number")
-    return value
-
-
-def _short(value: int) -> str:
-    """An integer too long to show whole (Python refuses to print more than 4300 digits)."""
-    digits = len(str(abs(value))) if value.bit_length() < 14000 else None
-    return f"an integer of {digits or 'over 4000'} digits"
-
-
-def parse_float(value: Any, name: str, *, minimum: float | None = None,
-                above: float | None = None, maximum: float | None = None) -> float:
-    """A finite number from an int, a float or its text (never a bool); ``minimum`` and
-    ``maximum`` inclusive, ``above`` exclusive."""
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            pass
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            value = float(value)
-        except OverflowError:  # an integer beyond any float
-            value = math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value):
-        raise _bad(name, value, "must be a finite number", f"give {name} a number, e.g. 1.5")
-    if minimum is not None and value < minimum:
-        raise _bad(name, value, f"must be >= {minimum}", f"use a value >= {minimum}")
-    if above is not None and value <= above:
-        raise _bad(name, value, f"must be > {above}", f"use a value > {above}")
-    if maximum is not None and value > maximum:
-        raise _bad(name, value, f"must be <= {maximum:g}", f"use a value <= {maximum:g}")
-    return float(value)
-
-
-def parse_bool(value: Any, name: str) -> bool:
-    """A boolean from a bool or one of the spellings true/false/1/0 (any case)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_TEXT:
-        return _BOOL_TEXT[value.strip().lower()]
-    raise _bad(name, value, "must be a boolean (true, false, 1 or 0)",
-               f"write {name}=true or {name}=false")
-
-
-def parse_version(value: Any, name: str) -> str:
-    """A release version such as ``1.12``, ``2.3.0.dev0`` or ``1.13.0+cu12``."""
-    text = value.strip() if isinstance(value, str) else None
-    if text is None or not _VERSION_TEXT.fullmatch(text):
-        raise _bad(name, value, "must be a version number", f"write e.g. {name}=1.12.0")
-    return text
-
-
-def _items(value: Any, name: str) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if not isinstance(value, str):
-        raise _bad(name, value, "must be a list", f"write e.g. {name}=[2,2]")
-    text = value.strip()
-    if text.startswith("[") != text.endswith("]"):
-        raise _bad(name, value, "unbalanced brackets", f"write e.g. {name}=[2,2]")
-    text = text.strip("[]").strip()
-    return [p.strip() for p in text.split(",")] if text else []
-
-
-def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
-    """The one strict value parser: ``raw`` (text, or a YAML/JSON value) as ``kind``.
-
-    Kinds: ``int`` (int64), the bounded counts of :data:`LIMITS` (``posint``, ``size``
-    (1..:data:`MAX_RANKS`), ``seqlen``, ``layers``, ``heads``, ``width``, ...), ``float``, ``bool``,
-    ``version``, ``str``, ``sizes``/``strs`` (lists, ``[2,2]`` or ``2,2``); a ``?`` prefix also
-    accepts ``none``/``null``. ``literal`` (untyped settings): true/false, integers, ``none``,
-    lists, else the text. Raises :class:`CPConfigError` naming ``name``, the value, the rule
-    and the fix.
-    """
-    if kind.startswith("?"):
-        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_TEXT):
-            return None
-        kind = kind[1:]
-    if kind == "int":
-        return parse_int(raw, name)
-    if kind in LIMITS:
-        return parse_int(raw, name, minimum=1, maximum=LIMITS[kind])
-    if kind == "float":
-        return parse_float(raw, name)
-    if kind == "bool":
-        return parse_bool(raw, name)
-    if kind == "version":
-        return parse_version(raw, name)
-    if kind == "str":
-        if not isinstance(raw, str) or not raw.strip():
-            raise _bad(name, raw, "must be a non-empty string", f"give {name} a value")
-        return raw.strip()
-    if kind == "sizes":
-        return [parse_int(p, f"{name}[{i}]", minimum=1, maximum=MAX_RANKS)
-                for i, p in enumerate(_items(raw, name))]
-    if kind == "window":
-        window = [parse_int(p, f"{name}[{i}]", minimum=-1) for i, p in enumerate(_items(raw, name))]
-        if len(window) != 2:
-            raise _bad(name, raw, "must be two integers (left, right)", "e.g. 128,0")
-        return window
-    if kind == "strs":
-        if isinstance(raw, str) and not raw.strip().startswith("["):
-            return parse_value(raw, "str", name)
-        return [parse_value(p, "str", f"{name}[{i}]") for i, p in enumerate(_items(raw, name))]
-    if kind == "literal":
-        if not isinstance(raw, str):
-            return raw
-        text = raw.strip()
-        if text.lower() in _NONE_TEXT:
-            return None
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        if _INT_TEXT.fullmatch(text):
-            return int(text)
-        if text.startswith("["):
-            return [parse_value(p, "literal", name) for p in _items(text, name)]
-        return text
-    raise ValueError(f"parse_value: unknown kind {kind!r}")
-
-
-def argument_type(kind: str, name: str = "the value", **bounds: Any) -> Any:
-    """An argparse ``type`` reading a command-line value with the one strict parser: ``int``
-    and ``float`` take ``minimum`` / ``maximum`` (and ``above`` for floats), other kinds are
-    :func:`parse_value`'s. A bad value is argparse's one-line error naming the rule and fix."""
-    import argparse
-
-    def convert(text: str) -> Any:
-        try:
-            if kind == "int":
-                return parse_int(text, name, **bounds)
-            if kind == "float":
-                return parse_float(text, name, **bounds)
-            return parse_value(text, kind, name)
-        except CPConfigError as err:
-            v = err.violations[0]
-            raise argparse.ArgumentTypeError(f"{v.parameter}={v.value!r} {v.rule}; {v.fix}"
-                                             ) from None
-
-    convert.__name__ = kind  # argparse names the type in its message
-    return convert
+        return cls(**read_flags(args, cls.field_names()))
