@@ -16,7 +16,8 @@ class BuildPyWithData(build_py):
 
     def run(self):
         super().run()
-        if getattr(self, "editable_mode", False):  # an editable install reads them from the source tree
+        # an editable install reads them from the source tree
+        if getattr(self, "editable_mode", False):
             return
         for name, src in DATA_DIRS.items():
             dst = Path(self.build_lib) / "megatron_hcp" / "_data" / name

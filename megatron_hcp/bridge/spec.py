@@ -5,7 +5,7 @@ provider and, under virtual pipelining, the ``vp_stage``): megatron's Transforme
 where TE imports (its ``TEDotProductAttention`` with the ``te-attention-hcp`` patch), else
 megatron's local spec with :class:`~megatron_hcp.attention.module.ReferenceCPAttention` - and,
 under sequence parallelism, norms that accept it
-(:mod:`megatron_hcp.training.norm`).
+(:mod:`megatron_hcp.layers.norm`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.module import gpt_layer_spec
-from ..training.norm import uses_torch_norms, with_sequence_parallel_norms
+from ..layers.norm import uses_torch_norms, with_sequence_parallel_norms
 
 __all__ = ["layer_spec"]
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..layers.norm import uses_torch_norms, with_sequence_parallel_norms
 from ..parallel_state.groups import collective_device
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import (
@@ -30,7 +31,6 @@ from .data import (
     varlen_lengths,
     varlen_sample,
 )
-from .norm import uses_torch_norms, with_sequence_parallel_norms
 
 __all__ = ["TinyGPTSpec", "VarLen", "train_tiny_gpt"]
 
