@@ -14,16 +14,20 @@ rank never joined) the world is torn down and restarted on the next call.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from .group_release import release_destroyed_groups
 
 __all__ = ["LocalWorld", "RankError"]
 
@@ -69,6 +73,8 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # a rank that does not answer in time prints every thread's stack (see LocalWorld.run)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank)
@@ -100,6 +106,7 @@ def _worker(
         except BaseException as exc:  # report everything, keep serving
             results.put((rank, False, (type(exc).__name__, traceback.format_exc())))
     dist.destroy_process_group()
+    release_destroyed_groups()
 
 
 class LocalWorld:
@@ -192,6 +199,14 @@ class LocalWorld:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Have ``ranks`` print every thread's Python stack to stderr (where a hang is)."""
+        for rank in ranks:
+            proc = self._procs[rank]
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2.0)
+
     # -------------------------------------------------------------- running
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
             **kwargs: Any) -> list[Any]:
@@ -218,8 +233,10 @@ class LocalWorld:
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                    self._dump_stacks(missing)
                     self.close()
-                    errors.update({r: ("Timeout", f"no answer in {limit:.0f}s") for r in missing})
+                    errors.update({r: ("Timeout", f"no answer in {limit:.0f}s (its stacks: "
+                                          "stderr)") for r in missing})
                     raise RankError(errors) from None
                 continue
             if ok:

@@ -1,0 +1,55 @@
+"""Let destroyed process groups really go before the interpreter shuts down.
+
+``dist.destroy_process_group`` forgets a group, but a gloo group's threads and sockets live
+until the last reference to its object goes. megatron-core keeps such references in
+class-level ``functools.lru_cache`` wrappers (``RotaryEmbedding.forward`` caches ``self``, the
+module holds its ``cp_group``), so groups outlive the run, pile up in pooled workers, and are
+torn down during interpreter finalization, where gloo occasionally aborts the process
+("terminate called without an active exception") after a run that succeeded.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+from collections.abc import Iterator
+
+CACHE_OWNERS = ("megatron.",)
+
+
+def _caches_of(namespace: dict) -> Iterator[functools._lru_cache_wrapper]:
+    for value in list(namespace.values()):
+        value = getattr(value, "__func__", value)  # staticmethod / classmethod
+        if isinstance(value, functools._lru_cache_wrapper):
+            yield value
+
+
+def megatron_caches() -> list[functools._lru_cache_wrapper]:
+    """The ``lru_cache`` wrappers defined at module or class level by imported megatron
+    modules (megatron-core, Megatron-Bridge)."""
+    found: dict[int, functools._lru_cache_wrapper] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(CACHE_OWNERS):
+            continue
+        namespace = getattr(module, "__dict__", {})
+        for cache in _caches_of(namespace):
+            found[id(cache)] = cache
+        for value in list(namespace.values()):
+            if isinstance(value, type) and value.__module__ == name:
+                for cache in _caches_of(vars(value)):
+                    found[id(cache)] = cache
+    return list(found.values())
+
+
+def release_destroyed_groups(collect: bool = True) -> int:
+    """Empty megatron's caches (they are recomputed on demand) and, with ``collect``, collect
+    garbage, so groups that were destroyed are freed now. Returns the number of caches
+    emptied. Call it after ``destroy_process_group`` (or megatron's
+    ``destroy_model_parallel``), on every rank."""
+    caches = megatron_caches()
+    for cache in caches:
+        cache.cache_clear()
+    if collect:
+        gc.collect()
+    return len(caches)
