@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +62,7 @@ def _worker(
     results: mp.Queue,
     env: dict[str, str],
     backend: str = "gloo",
+    stack_path: str | None = None,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -73,8 +75,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    # a rank that does not answer in time prints every thread's stack (see LocalWorld.run)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # a rank that does not answer in time writes every thread's stack (see LocalWorld.run)
+    if stack_path is not None:
+        stack_file = open(stack_path, "w", encoding="utf-8")  # noqa: SIM115 - the process's life
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank)
@@ -105,6 +109,8 @@ def _worker(
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException as exc:  # report everything, keep serving
             results.put((rank, False, (type(exc).__name__, traceback.format_exc())))
+        # groups the task destroyed must not stay alive in megatron's caches until exit
+        release_destroyed_groups(collect=False)
     dist.destroy_process_group()
     release_destroyed_groups()
 
@@ -139,6 +145,7 @@ class LocalWorld:
         self._tasks: list[mp.Queue] = []
         self._results: mp.Queue | None = None
         self._store: Any = None
+        self._stacks: tempfile.TemporaryDirectory | None = None
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> LocalWorld:
@@ -165,11 +172,12 @@ class LocalWorld:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         env = {"OMP_NUM_THREADS": "1", **self.env}
+        self._stacks = tempfile.TemporaryDirectory(prefix="megatron-hcp-stacks-")
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env,
-                      self.backend),
+                      self.backend, os.path.join(self._stacks.name, f"rank{r}.txt")),
                 daemon=True,
             )
             for r in range(self.world_size)
@@ -192,6 +200,9 @@ class LocalWorld:
                 proc.join()
         self._procs, self._tasks, self._results = [], [], None
         self._store = None
+        if self._stacks is not None:
+            self._stacks.cleanup()
+            self._stacks = None
 
     def __enter__(self) -> LocalWorld:
         return self.start()
@@ -199,13 +210,23 @@ class LocalWorld:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _dump_stacks(self, ranks: list[int]) -> None:
-        """Have ``ranks`` print every thread's Python stack to stderr (where a hang is)."""
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every thread's Python stack of each of ``ranks`` (where a hang is)."""
+        assert self._stacks is not None
         for rank in ranks:
             proc = self._procs[rank]
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(2.0)
+        stacks = {}
+        for rank in ranks:
+            path = os.path.join(self._stacks.name, f"rank{rank}.txt")
+            try:
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    stacks[rank] = fh.read()[-20000:] or "(none written)"
+            except OSError as exc:
+                stacks[rank] = f"(none: {exc})"
+        return stacks
 
     # -------------------------------------------------------------- running
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
@@ -233,10 +254,10 @@ class LocalWorld:
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
-                    self._dump_stacks(missing)
+                    stacks = self._dump_stacks(missing)
                     self.close()
-                    errors.update({r: ("Timeout", f"no answer in {limit:.0f}s (its stacks: "
-                                          "stderr)") for r in missing})
+                    errors.update({r: ("Timeout", f"no answer in {limit:.0f}s; its stacks:\n"
+                                          f"{stacks[r]}") for r in missing})
                     raise RankError(errors) from None
                 continue
             if ok:

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..group_release import release_destroyed_groups
 from .layout import Groups, hierarchical_level_groups
 
 __all__ = ["DefaultBackendDistributed", "collective_device", "create_hierarchical_groups",
@@ -51,7 +50,6 @@ def destroy_groups(groups: Any) -> None:
         seen.add(id(group))
         if group in live:
             dist.destroy_process_group(group)
-    release_destroyed_groups(collect=False)  # megatron's caches hold modules, modules groups
 
 
 def new_groups(
