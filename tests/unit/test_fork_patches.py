@@ -20,7 +20,6 @@ from megatron_hcp.patching.forkpatch import (
     check_diffs,
     diff_digest,
     diff_versions,
-    megatron_package_dir,
     read_header,
     revert_diffs,
     runtime_digest,
@@ -70,15 +69,6 @@ def test_diffs_match_the_current_runtime_patches(version):
 
 
 # ---------------------------------------------------------------- command
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """A copy of the installed megatron package (the diffs' target)."""
-    root = tmp_path_factory.mktemp("megatron-copy")
-    shutil.copytree(megatron_package_dir(), root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    return root
-
-
 def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes()
             for p in sorted((root / "megatron").rglob("*.py"))}

@@ -27,7 +27,6 @@ from megatron_hcp.patching.forkpatch import (
     PATCHES_DIR,
     apply_diffs,
     check_diffs,
-    megatron_package_dir,
     read_header,
     revert_diffs,
     series_for,
@@ -37,15 +36,6 @@ from megatron_hcp.patching.transaction import JOURNAL_DIR, LOCK_FILE, target_loc
 INSTALLED = megatron_core_version()
 CRASH = 77
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """A copy of the installed megatron package (the diffs' target)."""
-    root = tmp_path_factory.mktemp("megatron-copy")
-    shutil.copytree(megatron_package_dir(), root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    return root
 
 
 @pytest.fixture
@@ -293,8 +283,11 @@ def test_a_second_process_waits_then_refuses_naming_the_holder(target):
 
 def test_ctrl_c_while_waiting_is_one_line_and_exit_130(target):
     with target_lock(target / "megatron"):
+        # a terminal's child takes Ctrl-C; a CI job started in the background may have SIGINT
+        # ignored, which every child inherits (Python then installs no KeyboardInterrupt)
         proc = cli("patch", "revert", "--target", str(target), "--lock-timeout", "120",
-                   start_new_session=True)
+                   start_new_session=True,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert proc.stderr.readline().startswith("megatron-hcp patch: waiting")
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
         out, err = proc.communicate(timeout=60)
