@@ -10,6 +10,7 @@ torn down during interpreter finalization, where gloo occasionally aborts the pr
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import sys
@@ -53,3 +54,11 @@ def release_destroyed_groups(collect: bool = True) -> int:
     if collect:
         gc.collect()
     return len(caches)
+
+
+def release_at_exit() -> None:
+    """Have :func:`release_destroyed_groups` run once when the interpreter exits (before its
+    teardown), however the program ends; registering again changes nothing. Groups still in
+    use are not touched: only what nothing but megatron's caches holds is freed."""
+    atexit.unregister(release_destroyed_groups)
+    atexit.register(release_destroyed_groups)

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..group_release import release_at_exit
 from .agreement import agree_on_config
 from .dynamic import attach_dynamic_cp_groups, create_dynamic_cp_groups, dynamic_cp_groups_of
 from .groups import destroy_groups, group_kwargs
@@ -138,6 +139,7 @@ def create_pg_collection_and_grid(
                     expert_tensor_parallel_size=expert_tensor_parallel_size,
                     grid_world_size=world_size, rank_offset=rank_offset, backend=backend,
                     group_timeout=timeout, pg_options=pg_options, hcp_pg_options=hcp_pg_options)
+    release_at_exit()  # megatron's caches must not carry the groups into interpreter teardown
     config.validate()
     tp, cp, pp = (config.tensor_model_parallel_size, config.context_parallel_size,
                   config.pipeline_model_parallel_size)

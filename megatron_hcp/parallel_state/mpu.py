@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..group_release import release_at_exit
 from .agreement import agree_on_config
 from .dynamic import DynamicCPGroups, create_dynamic_cp_groups
 from .groups import collective_device, destroy_groups
@@ -173,6 +174,7 @@ def _adopt(ps: Any, config: CPConfig, order: str, timeout_minutes: int | None,
         hierarchical_sizes=tuple(hcp) if hcp else None,
     )
     verify_against_layout(ps, layout)
+    release_at_exit()  # megatron's caches must not carry the groups into interpreter teardown
     if config.dynamic_context_parallel:
         _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
                                {"distributed_timeout_minutes": timeout_minutes},

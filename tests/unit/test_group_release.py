@@ -33,6 +33,17 @@ emptied = release_destroyed_groups()
 print(json.dumps({"before": before, "after": threads(), "alone": alone, "emptied": emptied}))
 """
 
+# the same run ending without a call: release_at_exit (as megatron_hcp's group set-up registers
+# it) runs before a counter registered earlier (atexit runs last-registered first)
+AT_EXIT = SCRIPT.split("before = threads()")[0].replace(
+    "from megatron_hcp.group_release import release_destroyed_groups",
+    "from megatron_hcp.group_release import release_at_exit") + """
+import atexit
+atexit.register(lambda: print(json.dumps({"alone": alone, "at_exit": threads()}), flush=True))
+release_at_exit()
+release_at_exit()  # once is enough; twice changes nothing
+"""
+
 
 def test_release_frees_groups_megatron_caches_hold():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
@@ -43,3 +54,10 @@ def test_release_frees_groups_megatron_caches_hold():
     assert counts["emptied"] >= 1, counts
     # ... and releasing leaves the threads of the process before gloo, before interpreter teardown
     assert counts["after"] == counts["alone"], counts
+
+
+def test_release_at_exit_frees_them_before_teardown():
+    out = subprocess.run([sys.executable, "-c", AT_EXIT], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert counts["at_exit"] == counts["alone"], counts
