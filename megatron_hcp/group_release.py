@@ -20,9 +20,12 @@ CACHE_OWNERS = ("megatron.",)
 
 
 def _caches_of(namespace: dict) -> Iterator[functools._lru_cache_wrapper]:
+    # type() only: some namespace values are deprecation proxies (megatron modules import
+    # torch.distributed's reduce_op) that warn on any attribute access
     for value in list(namespace.values()):
-        value = getattr(value, "__func__", value)  # staticmethod / classmethod
-        if isinstance(value, functools._lru_cache_wrapper):
+        if type(value) in (staticmethod, classmethod):
+            value = value.__func__
+        if type(value) is functools._lru_cache_wrapper:
             yield value
 
 
@@ -37,7 +40,7 @@ def megatron_caches() -> list[functools._lru_cache_wrapper]:
         for cache in _caches_of(namespace):
             found[id(cache)] = cache
         for value in list(namespace.values()):
-            if isinstance(value, type) and value.__module__ == name:
+            if issubclass(type(value), type) and vars(value).get("__module__") == name:
                 for cache in _caches_of(vars(value)):
                     found[id(cache)] = cache
     return list(found.values())

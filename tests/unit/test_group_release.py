@@ -61,3 +61,25 @@ def test_release_at_exit_frees_them_before_teardown():
                          timeout=300, check=True).stdout
     counts = json.loads(out.strip().splitlines()[-1])
     assert counts["at_exit"] == counts["alone"], counts
+
+
+def test_finding_the_caches_reads_no_deprecated_attribute(monkeypatch):
+    """Megatron modules can hold deprecation proxies (megatron.energon, imported by Bridge,
+    holds torch.distributed's reduce_op): looking for caches must not touch them, or every run
+    ends with FutureWarnings."""
+    import types
+    import warnings
+
+    import megatron.core.models.gpt  # noqa: F401 - a module whose cache is looked for
+    import torch.distributed.distributed_c10d as c10d
+
+    from megatron_hcp.group_release import megatron_caches
+
+    probe = types.ModuleType("megatron.hcp_probe")
+    probe.reduce_op = vars(c10d)["reduce_op"]
+    monkeypatch.setitem(sys.modules, probe.__name__, probe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = {f"{c.__module__}.{c.__qualname__}" for c in megatron_caches()}
+    assert "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward" \
+        in names, names
