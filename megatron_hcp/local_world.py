@@ -61,8 +61,8 @@ def _worker(
     tasks: mp.Queue,
     results: mp.Queue,
     env: dict[str, str],
-    backend: str = "gloo",
-    stack_path: str | None = None,
+    backend: str,
+    stack_path: str,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -76,9 +76,8 @@ def _worker(
     import torch.distributed as dist
 
     # a rank that does not answer in time writes every thread's stack (see LocalWorld.run)
-    if stack_path is not None:
-        stack_file = open(stack_path, "w", encoding="utf-8")  # noqa: SIM115 - the process's life
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    stack_file = open(stack_path, "w", encoding="utf-8")  # noqa: SIM115 - the process's life
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank)

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .group_release import release_destroyed_groups
 from .local_world import RankError
 
 __all__ = ["BACKEND", "ThreadedWorld", "ThreadedWorldError"]
@@ -204,7 +203,6 @@ class _RankThread(threading.Thread):
                     self._results.put((self.rank, False, (kind, traceback.format_exc())))
         finally:
             dist.destroy_process_group()
-            release_destroyed_groups()
 
 
 class ThreadedWorld:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
+from ..group_release import release_at_exit
 from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
 from .config import cp_config_from_bridge
@@ -412,6 +413,7 @@ def install() -> None:
             f"written for (releases {', '.join(BRIDGE_VERSIONS)}); nothing was changed:\n  "
             f"{err}") from err
     done += apply(_core_patches())
+    release_at_exit()  # also when Bridge's own functions build the groups (no CP, no HCP)
     if done:
         logger.info("megatron_hcp: Megatron-Bridge hook installed (%s)", ", ".join(done))
 

@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ..bridge.run import metrics_recorder, prepare_environment
-    from ..group_release import release_destroyed_groups
     from .launch import BACKENDS, require_runnable
     from .recipe import load_recipe
 
@@ -105,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(_metrics(recorder.history, opts.resume_from or 0), fh, indent=1)
     finally:
         dist.destroy_process_group()
-        release_destroyed_groups()
     return 0
 
 

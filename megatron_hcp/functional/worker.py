@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from ..group_release import release_destroyed_groups
     from ..patching import (
         DECENTRALIZED_PATCHES,
         apply,
@@ -149,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(_metrics(history, opts.resume_from or 0, histories), fh, indent=1)
     finally:
         dist.destroy_process_group()
-        release_destroyed_groups()
     return 0
 
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # one gloo rank; megatron's RotaryEmbedding (its forward is a class-level lru_cache that keeps
 # the module, and with it the module's cp_group) used on a subgroup, then everything destroyed
 SCRIPT = r"""
@@ -33,15 +35,66 @@ emptied = release_destroyed_groups()
 print(json.dumps({"before": before, "after": threads(), "alone": alone, "emptied": emptied}))
 """
 
-# the same run ending without a call: release_at_exit (as megatron_hcp's group set-up registers
-# it) runs before a counter registered earlier (atexit runs last-registered first)
-AT_EXIT = SCRIPT.split("before = threads()")[0].replace(
-    "from megatron_hcp.group_release import release_destroyed_groups",
-    "from megatron_hcp.group_release import release_at_exit") + """
-import atexit
+# a run on megatron-hcp's MPU path that ends without any call: the set-up registered
+# release_at_exit, which runs before a counter registered earlier (atexit: last in, first out)
+AT_EXIT = r"""
+import atexit, gc, json, os
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_hcp.config import CPConfig
+from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+from megatron_hcp.patching import apply_cpu_runtime
+
+apply_cpu_runtime()
+RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(16)
+threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731 - native threads too
+alone = threads()
 atexit.register(lambda: print(json.dumps({"alone": alone, "at_exit": threads()}), flush=True))
-release_at_exit()
-release_at_exit()  # once is enough; twice changes nothing
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+initialize_model_parallel(CPConfig(context_parallel_size=1, num_attention_heads=4,
+                                   num_query_groups=2, seq_length=64),
+                          create_gloo_process_groups=False)
+rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
+                      cp_group=ps.get_context_parallel_group())
+rope(16)
+del rope
+destroy_model_parallel()
+dist.destroy_process_group()
+gc.collect()
+print(json.dumps({"alone": alone, "ended": threads()}), flush=True)
+"""
+
+# set-ups that register release_at_exit (atexit.register records what it is given)
+RECORD = r"""
+import atexit
+registered = []
+_register = atexit.register
+
+
+def _recording(fn, *args, **kwargs):
+    registered.append(getattr(fn, "__qualname__", repr(fn)))
+    return _register(fn, *args, **kwargs)
+
+
+atexit.register = _recording
+"""
+REGISTERS = {
+    "collection": r"""
+import torch.distributed as dist
+from megatron_hcp.config import CPConfig
+from megatron_hcp.parallel_state.collection import create_pg_collection
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+create_pg_collection(CPConfig(context_parallel_size=1, num_attention_heads=4,
+                              num_query_groups=2, seq_length=64))
+""",
+    "bridge-hook": r"""
+from megatron_hcp.bridge.run import prepare_environment
+prepare_environment()  # the import shims Bridge needs here, then megatron_hcp.bridge.install()
+""",
+}
+CHECK_REGISTERED = r"""
+print("registered" if "release_destroyed_groups" in registered else f"not in {registered}")
 """
 
 
@@ -56,11 +109,25 @@ def test_release_frees_groups_megatron_caches_hold():
     assert counts["after"] == counts["alone"], counts
 
 
-def test_release_at_exit_frees_them_before_teardown():
+def test_groups_of_the_mpu_path_are_freed_at_exit():
     out = subprocess.run([sys.executable, "-c", AT_EXIT], capture_output=True, text=True,
                          timeout=300, check=True).stdout
-    counts = json.loads(out.strip().splitlines()[-1])
-    assert counts["at_exit"] == counts["alone"], counts
+    lines = [json.loads(line) for line in out.strip().splitlines()[-2:]]
+    ended, at_exit = lines
+    # megatron's cache still holds the CP group when the program ends ...
+    assert ended["ended"] > ended["alone"], lines
+    # ... and the registration made at set-up frees it before interpreter teardown
+    assert at_exit["at_exit"] == at_exit["alone"], lines
+
+
+@pytest.mark.parametrize("setup", sorted(REGISTERS))
+def test_set_ups_register_release_at_exit(setup):
+    if setup == "bridge-hook" and sys.version_info < (3, 12):
+        pytest.skip("needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the py312 "
+                    "leg runs it (MEGATRON_HCP_STACK=py312)")
+    out = subprocess.run([sys.executable, "-c", RECORD + REGISTERS[setup] + CHECK_REGISTERED],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.strip().splitlines()[-1] == "registered", out
 
 
 def test_finding_the_caches_reads_no_deprecated_attribute(monkeypatch):
