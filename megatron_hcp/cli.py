@@ -130,12 +130,13 @@ def _verify_groups(args: argparse.Namespace) -> int:
 
 
 def _patch_list(args: argparse.Namespace) -> int:
-    from .bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES
+    from .bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES, BRIDGE_RUNTIME_PATCHES
     from .bridge.hook import BRIDGE_LOOP_PATCHES, BRIDGE_PATCHES
     from .patching import ALL_PATCHES, is_applied
     from .patching.registry import installed_version
 
-    bridge = BRIDGE_PATCHES + BRIDGE_LOOP_PATCHES + BRIDGE_CPU_RUNTIME_PATCHES
+    bridge = (BRIDGE_PATCHES + BRIDGE_LOOP_PATCHES + BRIDGE_RUNTIME_PATCHES
+              + BRIDGE_CPU_RUNTIME_PATCHES)
     for package, patches in (("megatron-core", ALL_PATCHES), ("megatron-bridge", bridge)):
         version = installed_version(package)
         print(f"{package} {version or '(not installed)'}")
@@ -470,6 +471,43 @@ def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
     return launch
 
 
+def _audit_recipes(args: argparse.Namespace) -> list[Any]:
+    """``functional audit``: every named recipe loaded and ``--rank`` checked against it."""
+    from .config import CPConfigError
+    from .functional.bridge_recipe import BridgeRecipe, bridge_available
+    from .functional.harness import recipe_dir
+    from .functional.recipe import load_recipe
+
+    recipes = []
+    for name in args.names:
+        try:
+            recipe = load_recipe(recipe_dir(name), allow_env=args.allow_env)
+        except FileNotFoundError as err:
+            raise UsageError(_one_line(err)) from None
+        except CPConfigError as err:
+            raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
+        missing = bridge_available() if isinstance(recipe, BridgeRecipe) else None
+        if missing:
+            raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
+        if args.rank is not None and args.rank >= recipe.nproc:
+            raise UsageError(f"--rank {args.rank}: recipe {name!r} runs on {recipe.nproc} ranks; "
+                             f"give a rank in 0..{recipe.nproc - 1}")
+        recipes.append(recipe)
+    return recipes
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """One line per recipe: clean, or its first device mix (exit 1)."""
+    from .functional.audit import audit_recipe
+
+    found = False
+    for recipe in args.checked:
+        report = audit_recipe(recipe, platform=args.platform)
+        print(report.line(args.rank), flush=True)
+        found |= report.first(args.rank) is not None
+    return 1 if found else 0
+
+
 def _functional(args: argparse.Namespace) -> int:
     from .functional import harness
     from .functional.golden import GoldenError
@@ -552,7 +590,7 @@ def _parallel_flags(p: argparse.ArgumentParser, size: Callable[[str], Any], *, t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import CP_COMM_TYPES, LIMITS, MAX_STEPS
+    from .config import CP_COMM_TYPES, LIMITS, MAX_RANKS, MAX_STEPS
     from .planner import command as plan_command
 
     parser = _Parser(prog="megatron-hcp", description=__doc__)
@@ -678,6 +716,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--allow-env", **allow_env)
         _launch_arguments(p)
         p.set_defaults(func=_functional, check=_recipes)
+    p = fn_sub.add_parser(
+        "audit", help="device audit: one training step of each recipe's GPU run on emulated "
+        "CUDA devices (CPU only); prints the first op that mixes devices, with its file:line")
+    p.add_argument("names", nargs="+")
+    p.add_argument("--rank", type=_typed("int", minimum=0, maximum=MAX_RANKS), default=None,
+                   help="report this rank's findings (every rank runs; default: the first "
+                        "finding of any rank)")
+    p.add_argument("--platform", choices=["gpu_nccl", "cpu_gloo"], default="gpu_nccl",
+                   help="gpu_nccl (default): the GPU run, device mixes; cpu_gloo: the CPU run "
+                        "on a machine with CUDA, which must never use CUDA")
+    p.add_argument("--allow-env", **allow_env)
+    p.set_defaults(func=_audit, check=_audit_recipes)
     p = fn_sub.add_parser("update-golden", help="regenerate golden values; say what changed")
     p.add_argument("names", nargs="+")
     p.add_argument("--allow-env", **allow_env)

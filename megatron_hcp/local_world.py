@@ -1,5 +1,6 @@
-"""A reusable pool of local ranks joined in one torch.distributed world on 127.0.0.1 (gloo, or
-NCCL with rank ``r`` on GPU ``r``).
+"""A reusable pool of local ranks joined in one torch.distributed world on 127.0.0.1: gloo (CPU
+ranks, which see no GPU: ``CUDA_VISIBLE_DEVICES=""``), or NCCL with rank ``r`` on GPU ``r``
+(started with ``spawn``: a forked process cannot initialize CUDA).
 
 Starting a process and importing torch and megatron-core costs seconds per rank on a small
 machine, so the ranks are started once (forked from a forkserver that has already imported the
@@ -14,6 +15,8 @@ rank never joined) the world is torn down and restarted on the next call.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import importlib
 import multiprocessing as mp
@@ -24,7 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -114,6 +118,31 @@ def _worker(
     release_destroyed_groups()
 
 
+_OPEN: weakref.WeakSet[LocalWorld] = weakref.WeakSet()  # worlds of non-daemonic ranks
+
+
+@atexit.register
+def _close_open_worlds() -> None:
+    """Non-daemonic ranks are joined by multiprocessing at exit: stop them first."""
+    for world in list(_OPEN):
+        world.close()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set while processes start (restored after)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class LocalWorld:
     """``world_size`` local ranks in one world (``backend`` gloo or nccl); see the module
     docstring."""
@@ -125,20 +154,33 @@ class LocalWorld:
         timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
         preload: list[str] | None = None,
-        start_method: str = "forkserver",
+        start_method: str | None = None,
         backend: str = "gloo",
+        daemon: bool = True,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl'")
+        # NCCL ranks initialize CUDA: they need a fresh interpreter (a process forked from one
+        # that has asked CUDA anything - the forkserver imports torch and megatron - cannot
+        # initialize it: "Cannot re-initialize CUDA in forked subprocess")
+        start_method = start_method or ("spawn" if backend == "nccl" else "forkserver")
+        if backend == "nccl" and start_method != "spawn":
+            raise ValueError(f"backend='nccl' with start_method={start_method!r}: NCCL ranks "
+                             "must start with 'spawn' (a forked process cannot initialize "
+                             "CUDA); leave start_method unset")
         self.world_size = world_size
         self.backend = backend
+        # daemon=False: ranks may start processes of their own (megatron's checkpoint writer
+        # does); such a world is closed at exit if its owner did not close it
+        self.daemon = daemon
         self.timeout_s = timeout_s
         self.env = dict(env or {})
         self.preload = _PRELOAD if preload is None else preload
         # "spawn" gives ranks a fresh interpreter: the forkserver is shared by every world of
-        # a process and keeps the modules it preloaded first
+        # a process and keeps the modules it preloaded first (and the environment it started
+        # with: gloo worlds start it with the GPUs hidden)
         self.start_method = start_method
         self._procs: list[mp.Process] = []
         self._tasks: list[mp.Queue] = []
@@ -171,18 +213,23 @@ class LocalWorld:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         env = {"OMP_NUM_THREADS": "1", **self.env}
+        if self.backend == "gloo":  # CPU ranks: no GPU to touch (torch itself probes CUDA
+            env.setdefault("CUDA_VISIBLE_DEVICES", "")  # where it sees one, e.g. in optimizers)
         self._stacks = tempfile.TemporaryDirectory(prefix="megatron-hcp-stacks-")
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env,
                       self.backend, os.path.join(self._stacks.name, f"rank{r}.txt")),
-                daemon=True,
+                daemon=self.daemon,
             )
             for r in range(self.world_size)
         ]
-        for proc in self._procs:
-            proc.start()
+        if not self.daemon:
+            _OPEN.add(self)
+        with _environment(env if self.backend == "gloo" else {}):  # a forkserver started
+            for proc in self._procs:  # now sees what the ranks see
+                proc.start()
         return self
 
     def close(self) -> None:

@@ -372,15 +372,13 @@ EDITS: dict[str, list] = {
         """
         group, config = self.pp_group, self.config
         sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
-        device = (
-            sent.device
-            if sent is not None
-            else (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        )
+        # the pipeline group's device (a GPU for NCCL, the CPU for gloo), never the machine's
+        if sent is not None:
+            device = sent.device
+        elif torch.distributed.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
         works = []
         for tensor, peer, shape_tag, data_tag in (
             (tensor_send_next, self.next_rank, 11, 13),

@@ -9,7 +9,8 @@
 #   ./scripts/gpu_check.sh                     # the suite (PYTHON=/path/to/python, default python3)
 #   ./scripts/gpu_check.sh --benchmark         # also benchmarks/attention.py --device cuda
 #   ./scripts/gpu_check.sh --record-golden     # also write golden_values_dev_gpu_nccl.json for
-#                                              #   every recipe whose check passed here
+#                                              #   every recipe whose check passed here, and
+#                                              #   tests/gpu/golden/ for the one-rank forms
 #   ./scripts/gpu_check.sh -- -k one_gpu -x    # pytest arguments after --
 #
 # The junit XML and the table stay in $GPU_CHECK_OUT (default: a new temporary directory).
@@ -82,6 +83,13 @@ if [ "$record_golden" -eq 1 ]; then
     recorded=$((recorded + 1))
   done
   echo "recorded golden_values_dev_gpu_nccl.json for $recorded recipe(s)"
+  families="$("$py" -m tests.gpu.report "$out/gpu_check.xml" \
+              --passed test_one_gpu_training::test_one_rank_form_on_one_gpu)"
+  if [ -n "$families" ]; then
+    # shellcheck disable=SC2086 - one family name per word
+    "$py" -m tests.gpu.record_one_rank $families
+  fi
+  echo "recorded tests/gpu/golden/<family>@1rank_gpu_nccl.json for $(echo "$families" | grep -c . || true) one-rank form(s)"
 fi
 echo "results: $out"
 exit "$report"

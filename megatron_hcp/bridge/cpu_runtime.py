@@ -4,10 +4,14 @@ Like :mod:`megatron_hcp.patching.cpu_runtime` for megatron-core: named, version-
 revertible registry patches (``megatron-hcp patch list`` shows them under megatron-bridge), most
 of them giving *one* Bridge module a CPU view of ``torch`` (inside it ``torch.cuda`` calls are
 answered for the CPU; nothing else in the process changes). Bridge's own functions run
-unchanged otherwise. Apply with :func:`apply_bridge_cpu_runtime` (only without CUDA, unless
-forced), after ``megatron_hcp.patching.apply_cpu_runtime(training=True)`` for megatron-core
+unchanged otherwise. Apply with :func:`apply_bridge_cpu_runtime` for a run on the CPU (whatever
+the machine has), after ``megatron_hcp.patching.apply_cpu_runtime(training=True)`` for megatron-core
 (its ``cpu-timers``, ``cpu-dist-checkpointing`` and ``cpu-ddp-wrap`` are what Bridge's loop
 reaches beyond the project's own trainer).
+
+:data:`BRIDGE_RUNTIME_PATCHES` are not about the CPU: what Bridge's loop needs wherever it runs
+on megatron-core's wheel (its prebuilt dataset helpers); ``prepare_environment`` applies them on
+every device.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from ..parallel_state.groups import DefaultBackendDistributed
 from ..patching.cpu_runtime import CpuDeviceTorch, _CpuCuda, _CudaMoveStaysOnCpu
 from ..patching.registry import Patch, Target, apply, revert
 
-__all__ = ["BRIDGE_CPU_RUNTIME_PATCHES", "apply_bridge_cpu_runtime", "revert_bridge_cpu_runtime"]
+__all__ = ["BRIDGE_CPU_RUNTIME_PATCHES", "BRIDGE_RUNTIME_PATCHES", "apply_bridge_cpu_runtime",
+           "revert_bridge_cpu_runtime"]
 
 _PKG = "megatron.bridge"
 # Bridge releases these patches were written and run against (on megatron-core 0.19.2)
@@ -124,6 +129,21 @@ def _views(name: str, summary: str, upstream: str, modules: tuple[str, ...]) -> 
                  category="cpu-runtime", package="megatron-bridge")
 
 
+# what Bridge's loop needs on every device with megatron-core's wheel (GPU runs included)
+BRIDGE_RUNTIME_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="bridge-prebuilt-dataset-helpers",
+        summary="initialize_megatron uses megatron-core's prebuilt dataset helpers instead of "
+        "running make (the wheel has no Makefile: Bridge exits)",
+        upstream="megatron/bridge/training/initialize.py:147 compile_helpers() (megatron-core "
+        "datasets/utils.py:20-30 runs make in the installed package and sys.exit(1) on failure)",
+        versions=VERSIONS,
+        targets=(Target(f"{_PKG}.training.initialize", "compile_helpers",
+                        _make_compile_helpers),),
+        category="integration", package="megatron-bridge",
+    ),
+)
+
 BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
     Patch(
         name="bridge-cpu-initialize",
@@ -148,17 +168,6 @@ BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
                    _make_warmup_keeps_cpu_rng),
         ),
         category="cpu-runtime", package="megatron-bridge",
-    ),
-    Patch(
-        name="bridge-prebuilt-dataset-helpers",
-        summary="initialize_megatron uses megatron-core's prebuilt dataset helpers instead of "
-        "running make (the wheel has no Makefile: Bridge exits)",
-        upstream="megatron/bridge/training/initialize.py:147 compile_helpers() (megatron-core "
-        "datasets/utils.py:20-30 runs make in the installed package and sys.exit(1) on failure)",
-        versions=VERSIONS,
-        targets=(Target(f"{_PKG}.training.initialize", "compile_helpers",
-                        _make_compile_helpers),),
-        category="integration", package="megatron-bridge",
     ),
     _views("bridge-cpu-setup", "setup's start-time all-reduce on the CPU",
            "megatron/bridge/training/setup.py:312 torch.tensor(..., device='cuda')",
@@ -190,8 +199,12 @@ BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
            "statistics tensors on the CPU",
            "megatron/bridge/training/train.py:934,973,1030,1329,1461; "
            "training/utils/train_utils.py:381-596,769,1210 device='cuda'; training/eval.py:"
-           "260-314 torch.cuda.synchronize/empty_cache, device='cuda'",
-           ("training.train", "training.utils.train_utils", "training.eval")),
+           "260-314 torch.cuda.synchronize/empty_cache, device='cuda'; training/utils/"
+           "flop_utils.py:147-153 the sequence statistics' all-reduce on "
+           "torch.cuda.current_device() wherever CUDA is visible (a CPU run on a GPU machine "
+           "would hand gloo a CUDA tensor)",
+           ("training.train", "training.utils.train_utils", "training.eval",
+            "training.utils.flop_utils")),
     _views("bridge-cpu-checkpointing", "checkpoint iteration flags and RNG state on the CPU",
            "megatron/bridge/training/checkpointing.py:326 device='cuda'; 491,3155,3167 "
            "torch.cuda.get_rng_state/set_rng_state; 3199 empty_cache",
@@ -199,10 +212,9 @@ BRIDGE_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
 )
 
 
-def apply_bridge_cpu_runtime(force: bool = False) -> list[str]:
-    """Apply :data:`BRIDGE_CPU_RUNTIME_PATCHES` when CUDA is unavailable (or ``force``)."""
-    if torch.cuda.is_available() and not force:
-        return []
+def apply_bridge_cpu_runtime(force: bool = True) -> list[str]:
+    """Apply :data:`BRIDGE_CPU_RUNTIME_PATCHES` for a run on the CPU, whatever the machine has
+    (the caller decides by its run's device); ``force`` is accepted for old callers."""
     return apply(BRIDGE_CPU_RUNTIME_PATCHES)
 
 

@@ -84,8 +84,7 @@ def _common_training(cfg: Any, *, train_iters: int, global_batch_size: int,
     cfg.checkpoint = CheckpointConfig(save=None, load=None, ckpt_format="torch_dist",
                                       async_save=False, fully_parallel_save=True)
     cfg.rng.seed = seed
-    cfg.dist = DistributedInitConfig(
-        distributed_backend="nccl" if torch.cuda.is_available() else "gloo")
+    cfg.dist = DistributedInitConfig()  # Bridge's default backend (NCCL); a CPU run sets gloo
     return cfg
 
 

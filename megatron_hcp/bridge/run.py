@@ -2,7 +2,8 @@
 
 :func:`prepare_environment` readies a process for Bridge's ``pretrain`` / ``finetune``:
 import-only stand-ins where Transformer Engine / nvidia-resiliency-ext are missing
-(:mod:`.import_shims`), megatron-core's and Bridge's CPU runtimes where CUDA is missing, and
+(:mod:`.import_shims`), what Bridge's loop needs on megatron-core's wheel, megatron-core's and
+Bridge's CPU runtimes for a run on the CPU, and
 :func:`megatron_hcp.bridge.install`. :func:`metrics_recorder` is a Bridge callback that records,
 per training step, what the functional checks compare: lm loss, grad norm, the gradient's zero
 count, the step time and, with dynamic CP, the plan's micro-batches and groups - gathered over
@@ -33,9 +34,9 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     import megatron.core  # noqa: F401  (megatron decides HAVE_TE before any stand-in exists)
     import megatron.core.extensions.transformer_engine  # noqa: F401
 
-    from ..patching import apply_cpu_runtime
+    from ..patching import apply, apply_cpu_runtime
     from . import import_shims
-    from .cpu_runtime import apply_bridge_cpu_runtime
+    from .cpu_runtime import BRIDGE_RUNTIME_PATCHES, apply_bridge_cpu_runtime
     from .hook import install
 
     done = [f"import-only {name}" for name in import_shims.install()]
@@ -44,11 +45,12 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     if cpu:
-        done += apply_cpu_runtime(force=True, training=True)
+        done += apply_cpu_runtime(training=True)
     for module in _BRIDGE_LOOP:
         importlib.import_module(module)
+    done += apply(BRIDGE_RUNTIME_PATCHES)  # on every device (the wheel's dataset helpers)
     if cpu:
-        done += apply_bridge_cpu_runtime(force=True)
+        done += apply_bridge_cpu_runtime()
     install()
     return done
 

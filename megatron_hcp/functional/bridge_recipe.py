@@ -107,28 +107,33 @@ class BridgeRecipe:
                                    overrides=(*self.overrides, *off), config=config)
 
     # ------------------------------------------------------------------ in Bridge's process
-    def build(self, *, steps: int | None = None, work_dir: str | None = None) -> Any:
+    def build(self, *, steps: int | None = None, work_dir: str | None = None,
+              platform: str = "cpu_gloo") -> Any:
         """Bridge's ``ConfigContainer`` of this recipe (imports Bridge); ``work_dir`` holds
-        generated data."""
+        generated data; ``platform`` picks the distributed backend."""
         return build_bridge_config(self.recipe, self.recipe_args, self.overrides,
                                    config_file=self.config_file, steps=steps,
-                                   work_dir=work_dir)
+                                   work_dir=work_dir, platform=platform)
 
 
 def build_bridge_config(recipe: str, recipe_args: dict[str, Any], overrides: Iterable[str],
                         *, config_file: Path | None = None, steps: int | None = None,
-                        work_dir: str | None = None) -> Any:
+                        work_dir: str | None = None, platform: str = "cpu_gloo") -> Any:
     """Bridge's ``ConfigContainer``: the recipe function (``recipe_args``; ``data_dir`` under
-    ``work_dir`` where it takes one), then ``config_file`` and ``overrides`` through Bridge's
+    ``work_dir`` where it takes one), the distributed backend of ``platform`` (gloo on
+    ``cpu_gloo``, NCCL on ``gpu_nccl``), then ``config_file`` and ``overrides`` through Bridge's
     own ``process_config_with_overrides`` - except the development-branch dynamic-CP names the
     model config has no field for, which are set on the provider (module docstring)."""
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from .launch import BACKENDS
 
     function = _recipe_function(recipe)
     kwargs = dict(recipe_args)
     if "data_dir" in _parameters(function) and "data_dir" not in kwargs:
         kwargs["data_dir"] = os.path.join(work_dir or ".", "data")
     cfg = function(**kwargs)
+    cfg.dist.distributed_backend = BACKENDS[platform]
     overrides = list(overrides)
     ours = [o for o in overrides if _key(o).removeprefix("model.") in DEV_DYNAMIC_FIELDS
             and not hasattr(cfg.model, _key(o).removeprefix("model."))]

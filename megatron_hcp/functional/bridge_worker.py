@@ -41,15 +41,46 @@ def _metrics(history: dict[str, list], first_step: int) -> dict:
     return out
 
 
-def _base_checkpoint(recipe: Any, work_dir: str, pretrain: Any, forward_step: Any) -> str:
+def _base_checkpoint(recipe: Any, work_dir: str, pretrain: Any, forward_step: Any,
+                     platform: str) -> str:
     """A pretrained checkpoint for ``finetune``: the same model pre-trained one step with CP=1
     (the recipe and its CP=1 twin start from the same weights)."""
     base_dir = os.path.join(work_dir, "pretrained")
-    base = recipe.with_cp1().build(steps=1, work_dir=work_dir)
+    base = recipe.with_cp1().build(steps=1, work_dir=work_dir, platform=platform)
     base.checkpoint.save = base_dir
     base.checkpoint.save_interval = 1
     pretrain(base, forward_step)
     return base_dir
+
+
+def train_bridge_recipe(recipe: Any, platform: str, work_dir: str, *, steps: int | None = None,
+                        checkpoint_dir: str | None = None, save_at: list[int] | None = None,
+                        resume_from: int | None = None, base: Any = None,
+                        progress: Any = None) -> dict[str, list]:
+    """Train ``recipe`` with Bridge's own ``pretrain`` / ``finetune`` in this initialized world
+    as every rank of it does on ``platform`` (after
+    :func:`~megatron_hcp.bridge.run.prepare_environment`); ``base``: the recipe whose CP=1 twin
+    pre-trains a finetune's checkpoint (default ``recipe``). Returns the merged history."""
+    from megatron.bridge.training.finetune import finetune
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from ..bridge.run import metrics_recorder
+
+    entry = finetune if recipe.entry == "finetune" else pretrain
+    cfg = recipe.build(steps=steps, work_dir=work_dir, platform=platform)
+    if recipe.entry == "finetune" and cfg.checkpoint.pretrained_checkpoint is None:
+        cfg.checkpoint.pretrained_checkpoint = _base_checkpoint(
+            base or recipe, work_dir, pretrain, forward_step, platform)
+    if save_at:
+        cfg.checkpoint.save = checkpoint_dir
+        cfg.checkpoint.save_interval = min(save_at)
+    if resume_from is not None:
+        cfg.checkpoint.load = checkpoint_dir
+        cfg.checkpoint.ckpt_step = resume_from
+    recorder = metrics_recorder(progress)
+    entry(cfg, forward_step, callbacks=[recorder])
+    return recorder.history
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True)  # generated data, the base checkpoint
     opts = parser.parse_args(argv)
 
-    import torch
     import torch.distributed as dist
 
-    from ..bridge.run import metrics_recorder, prepare_environment
+    from ..bridge.run import prepare_environment
     from .launch import BACKENDS, require_runnable
     from .recipe import load_recipe
 
@@ -70,26 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     require_runnable(opts.platform)
     gpu = opts.platform == "gpu_nccl"
     if gpu:
+        import torch
+
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     prepare_environment(cpu=not gpu)
-    from megatron.bridge.training.finetune import finetune
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
-    entry = finetune if recipe.entry == "finetune" else pretrain
     # the process group is this worker's: Bridge runs inside it and leaves it (several runs)
     dist.init_process_group(BACKENDS[opts.platform])
     try:
-        cfg = recipe.build(steps=opts.steps, work_dir=opts.work_dir)
-        if recipe.entry == "finetune" and cfg.checkpoint.pretrained_checkpoint is None:
-            cfg.checkpoint.pretrained_checkpoint = _base_checkpoint(
-                load_recipe(opts.recipe), opts.work_dir, pretrain, forward_step)
-        if opts.save_at:
-            cfg.checkpoint.save = opts.checkpoint_dir
-            cfg.checkpoint.save_interval = min(opts.save_at)
-        if opts.resume_from is not None:
-            cfg.checkpoint.load = opts.checkpoint_dir
-            cfg.checkpoint.ckpt_step = opts.resume_from
-        total = cfg.train.train_iters
+        total = opts.steps or recipe.steps
 
         def progress(step: int, row: dict) -> None:
             step += opts.resume_from or 0
@@ -97,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['grad_norm']:.4f} | micro-batches {row['micro_batches']} | "
                   f"{row['iteration_time']:.2f} s", flush=True)
 
-        recorder = metrics_recorder(progress)
-        entry(cfg, forward_step, callbacks=[recorder])
+        history = train_bridge_recipe(
+            recipe, opts.platform, opts.work_dir, steps=opts.steps,
+            checkpoint_dir=opts.checkpoint_dir, save_at=opts.save_at,
+            resume_from=opts.resume_from, base=load_recipe(opts.recipe), progress=progress)
         if dist.get_rank() == 0:
             with open(opts.out, "w", encoding="utf-8") as fh:
-                json.dump(_metrics(recorder.history, opts.resume_from or 0), fh, indent=1)
+                json.dump(_metrics(history, opts.resume_from or 0), fh, indent=1)
     finally:
         dist.destroy_process_group()
     return 0

@@ -66,8 +66,11 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
         if cp1:
             cmd.append("--cp1")
         cmd += extra or []
+        # a CPU run's ranks see no GPU: nothing in them (torch's own probes included) can
+        # initialize CUDA on a machine that has it
+        hidden = {"CUDA_VISIBLE_DEVICES": ""} if launch.platform == "cpu_gloo" else {}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "MASTER_ADDR": launch.master_addr, **recipe.env}
+               "MASTER_ADDR": launch.master_addr, **recipe.env, **hidden}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         log: list[str] = []

@@ -14,6 +14,7 @@ import argparse
 import json
 import resource
 import sys
+from typing import Any
 
 
 def _cp_group_metrics(histories: list[dict]) -> dict[str, list[float]]:
@@ -67,13 +68,21 @@ def worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = worker_parser().parse_args(argv)
-
+def platform_spec(recipe: Any, platform: str, **overrides: Any) -> Any:
+    """The recipe's spec as ``platform`` runs it: ``gpu_nccl`` trains on this rank's current
+    CUDA device with the attention backend ``auto`` (TE where it imports, else the reference
+    backend on the GPU); ``cpu_gloo`` on the CPU with the reference backend."""
     import dataclasses
 
-    import torch.distributed as dist
+    gpu = {"device": "cuda", "attention_backend": "auto"} if platform == "gpu_nccl" else {}
+    return dataclasses.replace(recipe.spec, **gpu, **overrides)
 
+
+def train_recipe(recipe: Any, spec: Any, platform: str, on_step: Any = None) -> dict:
+    """Train ``spec`` in this initialized world as every rank of ``recipe`` does: the patches of
+    ``platform`` (the CPU runtime on ``cpu_gloo`` only, whatever the machine has; TE's HCP patch
+    on ``gpu_nccl`` where TE imports), the recipe's groups (MPU path or decentralized
+    collection), megatron's schedule; returns this rank's history."""
     from ..patching import (
         DECENTRALIZED_PATCHES,
         apply,
@@ -82,34 +91,58 @@ def main(argv: list[str] | None = None) -> int:
         by_name,
     )
     from ..training.trainer import train_tiny_gpt
+
+    if platform == "cpu_gloo":
+        apply_cpu_runtime()
+    apply_dynamic_cp()
+    if platform == "gpu_nccl":
+        from ..attention.te import have_te
+
+        if have_te():  # TEDotProductAttention takes its CP groups from resolve_cp_groups
+            apply(by_name(["te-attention-hcp"]))
+    if recipe.decentralized:
+        from ..parallel_state.collection import create_pg_collection, destroy_pg_collection
+
+        apply(by_name(list(DECENTRALIZED_PATCHES)))
+        pgc = create_pg_collection(recipe.config)
+        try:
+            return train_tiny_gpt(spec, pg_collection=pgc, on_step=on_step)
+        finally:
+            destroy_pg_collection(pgc)
+    from ..parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+
+    vpp = spec.virtual_pipeline_model_parallel_size
+    initialize_model_parallel(recipe.config, create_gloo_process_groups=False,
+                             **({"virtual_pipeline_model_parallel_size": vpp} if vpp else {}))
+    try:
+        return train_tiny_gpt(spec, on_step=on_step)
+    finally:
+        destroy_model_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = worker_parser().parse_args(argv)
+
+    import torch.distributed as dist
+
+    from .launch import BACKENDS, require_runnable
     from .recipe import load_recipe
 
     recipe = load_recipe(opts.recipe)
     if opts.cp1:
         recipe = recipe.with_cp1()
-    from .launch import BACKENDS, require_runnable
-
     require_runnable(opts.platform)
-    gpu = opts.platform == "gpu_nccl"
-    spec = dataclasses.replace(
-        recipe.spec, steps=opts.steps or recipe.spec.steps, checkpoint_dir=opts.checkpoint_dir,
-        save_at_steps=tuple(opts.save_at), resume_from_step=opts.resume_from,
-        **({"device": "cuda", "attention_backend": "auto"} if gpu else {}))
-    if gpu:
+    spec = platform_spec(
+        recipe, opts.platform, steps=opts.steps or recipe.spec.steps,
+        checkpoint_dir=opts.checkpoint_dir, save_at_steps=tuple(opts.save_at),
+        resume_from_step=opts.resume_from)
+    if opts.platform == "gpu_nccl":
         import os
 
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(BACKENDS[opts.platform])
-    if not gpu:
-        apply_cpu_runtime()
-    apply_dynamic_cp()
-    if gpu:
-        from ..attention.te import have_te
-
-        if have_te():  # TEDotProductAttention takes its CP groups from resolve_cp_groups
-            apply(by_name(["te-attention-hcp"]))
     rank = dist.get_rank()
 
     def progress(step: int, history: dict) -> None:
@@ -120,26 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{history['iteration_time'][-1]:.2f} s", flush=True)
 
     try:
-        if recipe.decentralized:
-            from ..parallel_state.collection import create_pg_collection, destroy_pg_collection
-
-            apply(by_name(list(DECENTRALIZED_PATCHES)))
-            pgc = create_pg_collection(recipe.config)
-            try:
-                history = train_tiny_gpt(spec, pg_collection=pgc, on_step=progress)
-            finally:
-                destroy_pg_collection(pgc)
-        else:
-            from ..parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
-
-            vpp = spec.virtual_pipeline_model_parallel_size
-            initialize_model_parallel(
-                recipe.config, create_gloo_process_groups=False,
-                **({"virtual_pipeline_model_parallel_size": vpp} if vpp else {}))
-            try:
-                history = train_tiny_gpt(spec, on_step=progress)
-            finally:
-                destroy_model_parallel()
+        history = train_recipe(recipe, spec, opts.platform, on_step=progress)
         record = {k: history.get(k, []) for k in ("local_cp_sizes", "cp_levels")}
         histories: list = [None] * dist.get_world_size()
         dist.all_gather_object(histories, record)  # trusted: this job's own ranks

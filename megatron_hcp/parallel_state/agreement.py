@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_TIMEOUT", "AgreementError", "ConfigDisagreementError", "Miss
            "agree", "agree_on_config"]
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
-_calls: dict[str, int] = {}
+_calls: dict[tuple[int, str], int] = {}  # (rank, tag): rank threads of one process count apart
 
 
 class AgreementError(RuntimeError):
@@ -81,8 +81,8 @@ def agree(fields: Mapping[str, Any], *, what: str, tag: str,
     timeout = timeout or DEFAULT_TIMEOUT
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    _calls[tag] = _calls.get(tag, 0) + 1
-    prefix = f"megatron_hcp/agree/{tag}/{_calls[tag]}"
+    count = _calls[rank, tag] = _calls.get((rank, tag), 0) + 1
+    prefix = f"megatron_hcp/agree/{tag}/{count}"
     store.set(f"{prefix}/{rank}", payload)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:

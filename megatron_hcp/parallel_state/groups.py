@@ -38,9 +38,13 @@ def destroy_groups(groups: Any) -> None:
     """Destroy every live process group in ``groups`` (the default group is left alone).
 
     gloo keeps threads and sockets per group: groups that are only forgotten pile up and slow
-    every later collective of the process.
+    every later collective of the process. The groups of rank threads
+    (:mod:`~megatron_hcp.threaded_world`) hold nothing native and go with their world: torch's
+    threaded registry cannot destroy one alone, so they are left to it.
     """
     from torch.distributed import distributed_c10d as c10d
+
+    from ..threaded_world import BACKEND as THREADED
 
     live = c10d._world.pg_map
     seen: set[int] = set()
@@ -48,7 +52,7 @@ def destroy_groups(groups: Any) -> None:
         if group is None or id(group) in seen or group is c10d.GroupMember.WORLD:
             continue
         seen.add(id(group))
-        if group in live:
+        if group in live and dist.get_backend(group) != THREADED:
             dist.destroy_process_group(group)
 
 

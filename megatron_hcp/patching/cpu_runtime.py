@@ -8,7 +8,8 @@ CPU device, tensor factories asked for ``device="cuda"`` allocate on the CPU, CU
 sees a changed torch. Small functions that index with pinned/CUDA tensors are replaced; the one
 ``Tensor.cuda()`` call on a tied weight is answered inside that call by a torch function mode.
 
-Apply with :func:`apply_cpu_runtime` (only when CUDA is unavailable, unless forced).
+Apply with :func:`apply_cpu_runtime` for a run on the CPU - whatever the machine has: a CPU run
+on a machine with GPUs needs it as much as one without, and must never touch CUDA.
 """
 
 from __future__ import annotations
@@ -389,11 +390,13 @@ TRAINING_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
 )
 
 
-def apply_cpu_runtime(force: bool = False, training: bool = False) -> list[str]:
-    """Apply every CPU-runtime patch when CUDA is unavailable (or ``force``); return names.
+def apply_cpu_runtime(force: bool = True, training: bool = False) -> list[str]:
+    """Apply every CPU-runtime patch for a run on the CPU; return their names.
+
+    The caller decides by its run's device, never by the machine: a CPU run on a machine with
+    CUDA needs the CPU runtime too (without it megatron moves RoPE's frequencies to the GPU and
+    forks the CUDA RNG). ``force`` is accepted for old callers and changes nothing.
     ``training``: also :data:`TRAINING_CPU_RUNTIME_PATCHES` (megatron/training)."""
-    if torch.cuda.is_available() and not force:
-        return []
     return apply(CPU_RUNTIME_PATCHES + (TRAINING_CPU_RUNTIME_PATCHES if training else ()))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..attention.groups import micro_batch_cp_group
 from ..attention.te import make_te_forward, make_te_init
-from ..parallel_state.groups import destroy_groups
+from ..parallel_state.groups import collective_device, destroy_groups
 from ..parallel_state.mpu import forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
 from .registry import Patch, Target
@@ -128,9 +128,8 @@ def _make_communicate(original):
 
         group, config = self.pp_group, self.config
         sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
-        device = sent.device if sent is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+        # the pipeline group's device (a GPU for NCCL, the CPU for gloo), never the machine's
+        device = sent.device if sent is not None else collective_device(group)
         works = []
         for tensor, peer, shape_tag, data_tag in (
                 (tensor_send_next, self.next_rank, _TAG_SHAPE_FWD, _TAG_DATA_FWD),

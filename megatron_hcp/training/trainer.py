@@ -150,7 +150,9 @@ def _transformer_config(spec: TinyGPTSpec):
         max_seqlen_per_dp_cp_rank=spec.max_seqlen_per_dp_cp_rank,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
-        use_cpu_initialization=True,
+        # on the GPU megatron builds parameters (and RoPE's frequencies) on the device, as users
+        # run it; deterministic_init re-draws every matrix either way
+        use_cpu_initialization=spec.device == "cpu",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,

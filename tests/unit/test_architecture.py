@@ -59,7 +59,7 @@ def _under(name: str, package: str) -> bool:
 # included); packages that share a floor do not import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("config", "sharding", "data", "bounded_read", "atomic_write", "group_release",
-                    "local_world", "threaded_world")),
+                    "local_world", "threaded_world", "virtual_cuda")),
     ("process groups", ("parallel_state",)),
     ("attention and dynamic CP", ("attention", "dynamic_cp", "layers")),
     ("patches", ("patching",)),

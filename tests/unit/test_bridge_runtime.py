@@ -19,13 +19,14 @@ needs_bridge = pytest.mark.skipif(
 
 
 def test_patch_list_shows_every_bridge_patch(capsys):
-    from megatron_hcp.bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES
+    from megatron_hcp.bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES, BRIDGE_RUNTIME_PATCHES
     from megatron_hcp.bridge.hook import BRIDGE_LOOP_PATCHES, BRIDGE_PATCHES
     from megatron_hcp.cli import main
 
     assert main(["patch", "list", "-v"]) == 0
     out = capsys.readouterr().out
-    names = [p.name for p in BRIDGE_PATCHES + BRIDGE_LOOP_PATCHES + BRIDGE_CPU_RUNTIME_PATCHES]
+    names = [p.name for p in BRIDGE_PATCHES + BRIDGE_LOOP_PATCHES + BRIDGE_RUNTIME_PATCHES
+             + BRIDGE_CPU_RUNTIME_PATCHES]
     assert len(names) == len(set(names)) >= 15
     section = out[out.index("megatron-bridge"):]
     assert all(name in section for name in names)
@@ -83,10 +84,10 @@ def test_the_wheels_dataset_helpers_need_no_make(bridge_loop):
     """Bridge 0.6.2 always runs megatron-core's compile_helpers (make in the installed package);
     the 0.19.2 wheel ships the helpers compiled and no Makefile, so Bridge exits. Patched, the
     prebuilt helpers are used."""
-    from megatron_hcp.bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES
+    from megatron_hcp.bridge.cpu_runtime import BRIDGE_RUNTIME_PATCHES
     from megatron_hcp.patching.registry import apply, revert
 
-    helpers = [p for p in BRIDGE_CPU_RUNTIME_PATCHES
+    helpers = [p for p in BRIDGE_RUNTIME_PATCHES
                if p.name == "bridge-prebuilt-dataset-helpers"]
     with pytest.raises(SystemExit):
         bridge_loop.compile_helpers()
@@ -110,7 +111,7 @@ def test_the_jit_warm_up_leaves_the_cpu_generator_alone(bridge_loop):
         bf16=False, fp16=False, hidden_size=16, ffn_hidden_size=32, seq_length=64,
         tensor_model_parallel_size=1, context_parallel_size=2, sequence_parallel=False,
         activation_func=torch.nn.functional.gelu)
-    apply_bridge_cpu_runtime(force=True)
+    apply_bridge_cpu_runtime()
     try:
         warmup = bridge_loop._warmup_jit_function
         state = torch.get_rng_state()
@@ -124,13 +125,13 @@ def test_the_jit_warm_up_leaves_the_cpu_generator_alone(bridge_loop):
 
 @needs_bridge
 def test_bridge_patches_refuse_a_release_they_were_not_written_for(bridge_loop):
-    from megatron_hcp.bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES
+    from megatron_hcp.bridge.cpu_runtime import BRIDGE_CPU_RUNTIME_PATCHES, BRIDGE_RUNTIME_PATCHES
     from megatron_hcp.bridge.hook import BRIDGE_LOOP_PATCHES, install, uninstall
     from megatron_hcp.patching.registry import PatchError, apply, is_applied
 
     uninstall()  # the loop patches are the hook's
     try:
-        for patches in (BRIDGE_CPU_RUNTIME_PATCHES, BRIDGE_LOOP_PATCHES):
+        for patches in (BRIDGE_RUNTIME_PATCHES, BRIDGE_CPU_RUNTIME_PATCHES, BRIDGE_LOOP_PATCHES):
             with pytest.raises(PatchError, match="not 0.6.1"):
                 apply(patches, version="0.6.1")
             assert not any(is_applied(p) for p in patches)  # nothing was changed
@@ -143,7 +144,7 @@ def test_cpu_runtime_reverts_to_bridges_own_functions(bridge_loop):
     from megatron_hcp.bridge.cpu_runtime import apply_bridge_cpu_runtime, revert_bridge_cpu_runtime
 
     before = (bridge_loop.initialize_megatron, bridge_loop.torch, bridge_loop.HyperCommGrid)
-    applied = apply_bridge_cpu_runtime(force=True)
+    applied = apply_bridge_cpu_runtime()
     assert "bridge-cpu-initialize" in applied and bridge_loop.torch is not before[1]
     from megatron.bridge.training import setup
 

@@ -13,10 +13,17 @@ import pytest
 import torch
 import yaml
 
+from megatron_hcp.functional.bridge_recipe import bridge_available
 from megatron_hcp.functional.harness import recipe_dir
 from megatron_hcp.functional.recipe import load_recipe
 from megatron_hcp.local_world import LocalWorld
-from tests.gpu._recipes import ONE_RANK_SOURCE, one_rank_recipe, shipped_recipes
+from tests.gpu._recipes import (
+    ONE_RANK_SOURCE,
+    one_rank_families,
+    one_rank_golden,
+    one_rank_recipe,
+    shipped_recipes,
+)
 from tests.gpu.report import main as report_main
 from tests.gpu.report import passed_params, read_checks, summary
 
@@ -52,9 +59,13 @@ def test_gpu_check_without_gpus_skips_every_check_with_its_reason(tmp_path):
     assert len(checks) > 50 and all(c.outcome == "skipped" for c in checks)
     assert all(c.gpus == "-" and c.figure == "" for c in checks)
     reasons = {c.name: c.result for c in checks}
-    needs_one = [r for n, r in reasons.items() if n.startswith("test_one_gpu")]
-    assert needs_one and all(r.startswith(f"skipped: needs 1 CUDA GPU; {NO_GPU}")
-                             for r in needs_one)
+    needs_one = {n: r for n, r in reasons.items() if n.startswith("test_one_gpu")}
+    bridge = bridge_available()  # None: installed; else why not (then its families say so)
+    assert needs_one and all(
+        r.startswith(f"skipped: needs 1 CUDA GPU; {NO_GPU}")
+        or (bridge is not None and "[bridge_" in n and r.startswith(
+            f"skipped: Megatron-Bridge's loop: {bridge}")) for n, r in needs_one.items()), (
+        needs_one)
     for name, nproc in shipped_recipes().items():  # each recipe needs one GPU per rank
         assert reasons[f"test_multi_gpu_recipes::test_recipe_under_gpu_nccl[{name}]"] == (
             f"skipped: needs {nproc} CUDA GPUs; {NO_GPU}")
@@ -134,11 +145,47 @@ def test_one_rank_recipe_is_its_source_on_one_rank(tmp_path):
     assert "--context-parallel-size" not in doc["MODEL_ARGS"]
 
 
+def test_one_rank_forms_cover_every_recipe_family(tmp_path):
+    """Every shipped recipe is in exactly one family; each family's one-rank form loads as one
+    rank without TP/PP/CP/dynamic CP and keeps its model, data and loop (packed THD data for a
+    dynamic-CP recipe, Bridge's entry for a Bridge recipe)."""
+    from megatron_hcp.functional.bridge_recipe import BridgeRecipe
+
+    families = one_rank_families()
+    members = [name for names in families.values() for name in names]
+    assert sorted(members) == sorted(shipped_recipes())
+    assert len(families) >= 6  # static CP, decentralized, PP, dynamic CP, Bridge pretrain / SFT
+    for family in families:
+        source = load_recipe(recipe_dir(family))
+        one = load_recipe(one_rank_recipe(tmp_path / family, family))
+        assert one.nproc == 1 and one.config.context_parallel_size == 1
+        assert (one.config.tensor_model_parallel_size, one.config.pipeline_model_parallel_size,
+                one.config.dynamic_context_parallel) == (1, 1, False)
+        assert one.steps == source.steps
+        if isinstance(source, BridgeRecipe):
+            assert (one.recipe, one.entry) == (source.recipe, source.entry)
+        else:
+            assert (one.spec.varlen is None) == (source.spec.varlen is None)
+            assert one.spec.virtual_pipeline_model_parallel_size is None
+            assert (one.spec.hidden_size, one.config.num_layers) == (
+                source.spec.hidden_size, source.config.num_layers)
+        assert one_rank_golden(family).name == f"{family}@1rank_gpu_nccl.json"
+
+
 def test_nccl_world_needs_a_gpu_per_rank():
     with pytest.raises(ValueError, match="NCCL needs one per rank"):
         LocalWorld(torch.cuda.device_count() + 1, backend="nccl").start()
     with pytest.raises(ValueError, match="backend='mpi'"):
         LocalWorld(2, backend="mpi")
+
+
+def test_nccl_ranks_are_spawned_never_forked():
+    """A process forked from one that asked CUDA anything cannot initialize CUDA (the H100's
+    'Cannot re-initialize CUDA in forked subprocess'): NCCL ranks start with spawn."""
+    assert LocalWorld(1, backend="nccl").start_method == "spawn"
+    assert LocalWorld(1).start_method == "forkserver"
+    with pytest.raises(ValueError, match="must start with 'spawn'"):
+        LocalWorld(1, backend="nccl", start_method="forkserver")
 
 
 @pytest.mark.parametrize(("args", "message"), [
