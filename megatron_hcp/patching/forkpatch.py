@@ -10,6 +10,11 @@ every patch of the series for the target's version: applied, applicable or confl
 diff was written for it, else "fixed upstream in X" or "not written for this version";
 ``apply``/``revert`` refuse a megatron-core version no diffs were written for and refuse to
 start when any patch conflicts.
+
+A diff applies to a file's own bytes: its lines match whatever their line endings (LF, CRLF,
+CR), kept lines keep theirs and added lines take those of their neighbours, so a CRLF file
+stays CRLF and a revert gives back the original bytes. A file a diff touches must be UTF-8
+(else a named refusal, before any write); no other file of the target is decoded.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from ..data import data_dir
 from .registry import Patch, PatchError, version_key
 from .transaction import (
     DEFAULT_LOCK_TIMEOUT,
-    JOURNAL_DIR,
     Notify,
+    journal_present,
+    read_target,
     recover,
     run_transaction,
     target_lock,
@@ -126,10 +132,10 @@ def applied_in_source(patch: Patch) -> bool:
     if not files:
         return False
     root = megatron_package_dir().parent
-    marker = f"megatron-hcp {patch.name}"
+    marker = f"megatron-hcp {patch.name}".encode()
     for path, new in _diff_files(read_header(files[0])["body"]):
         file = root / path
-        if not file.is_file() or (not new and marker not in file.read_text(encoding="utf-8")):
+        if not file.is_file() or (not new and marker not in file.read_bytes()):
             return False
     return True
 
@@ -161,8 +167,10 @@ def target_root(path: str | Path) -> Path:
 
 
 def target_version(root: Path) -> str:
-    """megatron-core version of a target, read from package_info.py (never imported)."""
-    text = (root / "megatron" / "core" / "package_info.py").read_text(encoding="utf-8")
+    """megatron-core version of a target, read from package_info.py (never imported; only its
+    ASCII ``MAJOR``/``MINOR``/``PATCH`` lines matter, so other bytes never break the read)."""
+    data = (root / "megatron" / "core" / "package_info.py").read_bytes()
+    text = data.decode("utf-8", errors="replace")
     parts = {k: v for k, v in re.findall(r"^(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", text, flags=re.M)}
     if len(parts) != 3:
         raise PatchError(f"cannot read the megatron-core version from {root}")
@@ -203,8 +211,7 @@ class _Conflict(Exception):
 class _Hunk:
     old_start: int  # 1-based line of the old side
     new_start: int
-    old: tuple[str, ...]  # context and removed lines
-    new: tuple[str, ...]  # context and added lines
+    lines: tuple[tuple[str, str], ...]  # (" " context | "-" removed | "+" added, the line)
 
 
 @dataclass(frozen=True)
@@ -228,24 +235,42 @@ def _parse_diff(body: str) -> list[_FileDiff]:
         for line in lines[1:]:
             m = _HUNK.match(line)
             if m:
-                cur = (int(m.group(1)), int(m.group(2)), [], [])
+                cur = (int(m.group(1)), int(m.group(2)), [])
                 hunks.append(cur)
             elif cur is not None and line[:1] in (" ", "-", "+"):
-                if line[0] in " -":
-                    cur[2].append(line[1:])
-                if line[0] in " +":
-                    cur[3].append(line[1:])
+                cur[2].append((line[0], line[1:]))
         out.append(_FileDiff(path, new_file, tuple(
-            _Hunk(a, b, tuple(old), tuple(new)) for a, b, old, new in hunks)))
+            _Hunk(a, b, tuple(ops)) for a, b, ops in hunks)))
     return out
 
 
+_NEWLINES = ("\r\n", "\n", "\r")
+_REVERSED = {" ": " ", "-": "+", "+": "-"}
+
+
+def _eol(line: str) -> str:
+    """The line break ending ``line`` (LF, CRLF or CR), else ''."""
+    return next((e for e in _NEWLINES if line.endswith(e)), "")
+
+
+def _key(line: str) -> str:
+    """``line`` as compared with a diff's: its line break, whichever, as LF."""
+    eol = _eol(line)
+    return line[:-len(eol)] + "\n" if eol else line
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)  # as patches/generate.py split them
+
+
 def _patch_text(text: str | None, diff: _FileDiff, reverse: bool) -> str | None:
-    """``text`` with ``diff`` applied (or reverted); None is an absent file."""
+    """``text`` with ``diff`` applied (or reverted); None is an absent file. Lines match
+    whatever their line endings; kept lines keep theirs, added lines take the ending of the
+    file line before them (the first hunk line: the file's first ending, else LF)."""
     if diff.new_file:
-        content = "".join(diff.hunks[0].new) if diff.hunks else ""
+        content = "".join(t for tag, t in diff.hunks[0].lines if tag == "+") if diff.hunks else ""
         if reverse:
-            if text != content:
+            if text is None or list(map(_key, _lines(text))) != list(map(_key, _lines(content))):
                 raise _Conflict(f"{diff.path}: differs from the file this diff adds")
             return None
         if text is not None:
@@ -253,26 +278,49 @@ def _patch_text(text: str | None, diff: _FileDiff, reverse: bool) -> str | None:
         return content
     if text is None:
         raise _Conflict(f"{diff.path}: missing")
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
+    keys = list(map(_key, lines))
+    first_eol = next((e for e in map(_eol, lines) if e), "\n")
     cursor, delta = 0, 0
     for hunk in diff.hunks:
-        old, new = (hunk.new, hunk.old) if reverse else (hunk.old, hunk.new)
+        ops = [(_REVERSED[tag] if reverse else tag, line) for tag, line in hunk.lines]
+        old = [_key(line) for tag, line in ops if tag != "+"]
         expected = (hunk.new_start if reverse else hunk.old_start) - 1 + delta
         n = len(old)
         found = [p for p in range(cursor, len(lines) - n + 1)
-                 if (not n or lines[p] == old[0]) and tuple(lines[p:p + n]) == old]
+                 if (not n or keys[p] == old[0]) and keys[p:p + n] == old]
         if not found:
             raise _Conflict(f"{diff.path}: the hunk at line {expected + 1} does not match "
                             "(the region was edited)")
         pos = min(found, key=lambda p: abs(p - expected))
+        eol = (_eol(lines[pos - 1]) if pos else "") or first_eol
+        new, at = [], pos
+        for tag, line in ops:
+            if tag == "+":
+                new.append(line[:-len(_eol(line))] + eol if _eol(line) else line)
+                continue
+            if tag == " ":
+                new.append(lines[at])  # the file's own line, its own ending
+            eol = _eol(lines[at]) or eol
+            at += 1
         lines[pos:pos + n] = new
+        keys[pos:pos + n] = map(_key, new)
         cursor = pos + len(new)
         delta += len(new) - n
     return "".join(lines)
 
 
-def _read(file: Path) -> str | None:
-    return file.read_text(encoding="utf-8") if file.is_file() else None
+def _read(root: Path, rel: str) -> str | None:
+    """The text of a file a diff touches (None: absent), from its bytes, never through a link
+    (:func:`.transaction.read_target`); a file that is not UTF-8 is a named PatchError."""
+    data = read_target(root, rel)
+    try:
+        return None if data is None else data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PatchError(f"the patch target file {str(root / rel)!r}: is not UTF-8 text "
+                         f"({err.reason} at byte {err.start}), and the fork diffs change it; "
+                         "restore the file (e.g. reinstall megatron-core) and run this again"
+                         ) from None
 
 
 def _simulate(root: Path, files: list[Path], reverse: bool,
@@ -282,15 +330,20 @@ def _simulate(root: Path, files: list[Path], reverse: bool,
     for file in files:
         for diff in _parse_diff(read_header(file)["body"]):
             if diff.path not in state:
-                state[diff.path] = _read(root / diff.path)
+                state[diff.path] = _read(root, diff.path)
             state[diff.path] = _patch_text(state[diff.path], diff, reverse)
     return state
+
+
+def _encoded(state: dict[str, str | None]) -> dict[str, bytes | None]:
+    """The bytes a transaction writes (a strict UTF-8 decode and encode round-trips exactly)."""
+    return {path: None if text is None else text.encode("utf-8") for path, text in state.items()}
 
 
 def _marker_present(root: Path, file: Path, name: str) -> bool:
     marker = f"megatron-hcp {name}"
     for diff in _parse_diff(read_header(file)["body"]):
-        text = _read(root / diff.path)
+        text = _read(root, diff.path)
         if text is None or (not diff.new_file and marker not in text):
             return False
     return True
@@ -322,7 +375,7 @@ def check_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
                      read_only_ok=True) as locked:
         if locked:
             _recover(root, notify, on_step)
-        elif (root / "megatron" / JOURNAL_DIR).exists():
+        elif journal_present(root):
             raise PatchError(f"{root}: an interrupted patch transaction left a journal, and "
                              "this process cannot write there to finish it; run patch check "
                              "as a user who can write to the target")
@@ -390,7 +443,8 @@ def _apply(root: Path, on_step: Step | None) -> list[str]:
             changes = _simulate(root, [s.file for s in todo], reverse=False)
         except _Conflict as err:  # two diffs overlap in a way the check could not see
             raise PatchError(f"{err} - nothing was changed") from err
-        run_transaction(root, changes, "patch apply", [s.name for s in todo], on_step=on_step)
+        run_transaction(root, _encoded(changes), "patch apply", [s.name for s in todo],
+                        on_step=on_step)
         _verify(root, todo, "applied")
     return [s.name for s in todo]
 
@@ -423,7 +477,7 @@ def _revert(root: Path, on_step: Step | None) -> list[str]:
             changes = _simulate(root, [s.file for s in applied], reverse=True)
         except _Conflict as err:
             raise PatchError(f"{err} - nothing was changed") from err
-        run_transaction(root, changes, "patch revert", [s.name for s in applied],
+        run_transaction(root, _encoded(changes), "patch revert", [s.name for s in applied],
                         on_step=on_step)
         _verify(root, applied, "applicable")
     return [s.name for s in applied]

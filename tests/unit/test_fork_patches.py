@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,71 @@ def test_revert_of_an_edited_region_changes_nothing_and_names_it(pristine, tmp_p
                        "megatron/core/transformer/attention.py.* nothing was changed"):
         revert_diffs(target)
     assert snapshot(target) == before
+
+
+def touched(root: Path) -> list[Path]:
+    """The existing files the installed version's diffs edit."""
+    paths = set()
+    for file in sorted((PATCHES_DIR / f"megatron-core-{INSTALLED}").glob("*.patch")):
+        paths |= set(re.findall(r"^diff --git a/(\S+)", read_header(file)["body"], re.M))
+    return [root / p for p in sorted(paths) if (root / p).is_file()]
+
+
+def test_crlf_files_stay_crlf_and_revert_gives_back_the_same_bytes(pristine, tmp_path):
+    target = tmp_path / "pkg"
+    shutil.copytree(pristine, target)
+    files = touched(target)
+    for file in files:
+        file.write_bytes(file.read_bytes().replace(b"\n", b"\r\n"))
+    before = snapshot(target)
+    assert apply_diffs(target) == series_for(INSTALLED)
+    for file in files:
+        data = file.read_bytes()
+        assert b"megatron-hcp" in data and data.count(b"\n") == data.count(b"\r\n"), file
+    assert {s.state for s in check_diffs(target)[1] if s.has_diff} == {"applied"}
+    assert revert_diffs(target) == list(reversed(series_for(INSTALLED)))
+    assert snapshot(target) == before  # byte-identical, CRLF included
+
+
+def one_line_refusal(code: int, err: str, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("refused: "), (code, err)
+    assert all(w in lines[0] for w in words), err
+
+
+def test_a_file_a_diff_changes_that_is_not_utf8_is_refused_before_any_write(
+        pristine, tmp_path, capsys):
+    target = tmp_path / "pkg"
+    shutil.copytree(pristine, target)
+    attention = target / "megatron/core/transformer/attention.py"
+    for patched in (False, True):
+        if patched:
+            attention.write_bytes(attention.read_bytes()[:-len(b"# caf\xe9\n")])
+            apply_diffs(target)
+        attention.write_bytes(attention.read_bytes() + b"# caf\xe9\n")  # Latin-1
+        before = snapshot(target)
+        for command in ("check", "apply", "revert"):
+            code = cli_main(["patch", command, "--target", str(target)])
+            one_line_refusal(code, capsys.readouterr().err, str(attention), "not UTF-8")
+            assert snapshot(target) == before, (patched, command)
+    assert not list((target / "megatron").glob(".megatron-hcp-patch.*"))
+
+
+def test_files_the_diffs_do_not_change_may_hold_any_bytes(pristine, tmp_path, capsys):
+    target = tmp_path / "pkg"
+    shutil.copytree(pristine, target)
+    latin1 = b"Metadata-Version: 2.1\nName: megatron-core\nAuthor: Jos\xe9\n"
+    for where in ("PKG-INFO", "megatron/PKG-INFO", "megatron_core.egg-info/PKG-INFO",
+                  "megatron/core/README-latin1.txt"):
+        (target / where).parent.mkdir(exist_ok=True)
+        (target / where).write_bytes(latin1)
+    info = target / "megatron/core/package_info.py"  # read for the version only
+    info.write_bytes(info.read_bytes() + b"# Jos\xe9\n")
+    before = snapshot(target)
+    for command in ("check", "apply", "check", "revert"):
+        assert cli_main(["patch", command, "--target", str(target)]) == 0, command
+        assert capsys.readouterr().err == "", command
+    assert snapshot(target) == before and (target / "PKG-INFO").read_bytes() == latin1
 
 
 # every megatron-core release on the package index from the oldest to the newest supported one

@@ -9,6 +9,9 @@ every k. Concurrency is real too: forked children and CLI subprocesses on one ta
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import itertools
 import json
 import os
@@ -18,10 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
 
+from megatron_hcp.cli import main as cli_main
 from megatron_hcp.patching import PatchError, megatron_core_version
 from megatron_hcp.patching.forkpatch import (
     PATCHES_DIR,
@@ -307,3 +313,191 @@ def test_a_journal_that_leaves_the_target_is_refused(target):
     (folder / "journal.json").write_text("[" * 100000)
     with pytest.raises(PatchError, match="unreadable .*deeper than the limit of 64"):
         apply_diffs(target)
+
+
+# ---------------------------------------------------------------- no link out of the target
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``megatron-hcp patch ...`` run in this process."""
+    code = cli_main(["patch", *args])
+    return code, capsys.readouterr().err
+
+
+def refused(code: int, err: str, *words: str) -> None:
+    """Exit 2 with one line (no traceback) that says ``words``."""
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("refused: "), (code, err)
+    assert all(w in lines[0] for w in words), err
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Everything under ``folder`` (directories as None), without following links."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("command", ["check", "apply", "revert"])
+def test_a_lock_file_that_is_a_link_is_refused_and_nothing_outside_is_written(
+        target, tmp_path, capsys, command):
+    lock = target / "megatron" / LOCK_FILE
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the lock's\n")
+    original = state(target)
+    for how in ("symlink", "dangling symlink", "hard link"):
+        if how == "hard link":
+            os.link(outside, lock)
+        else:
+            lock.symlink_to(outside if how == "symlink" else tmp_path / "created-outside")
+        code, err = run_cli(capsys, command, "--target", str(target))
+        assert outside.read_text() == "not the lock's\n", how  # not overwritten
+        assert not (tmp_path / "created-outside").exists(), how  # not created through it
+        assert os.path.lexists(lock), how  # the link is the user's to remove
+        refused(code, err, LOCK_FILE, "link")
+        lock.unlink()
+    assert state(target) == original
+
+
+def test_a_journal_that_is_a_link_is_refused_and_nothing_is_written_outside(
+        target, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = target / "megatron" / JOURNAL_DIR
+    original = state(target)
+    folder.symlink_to(outside)
+    for command in ("apply", "check", "revert"):
+        code, err = run_cli(capsys, command, "--target", str(target))
+        assert tree(outside) == {} and state(target) == original, command
+        assert folder.is_symlink(), command
+        refused(code, err, JOURNAL_DIR, "symbolic link")
+
+
+def test_a_journal_holding_a_link_is_refused_and_nothing_outside_is_removed(
+        target, tmp_path, capsys):
+    # a journal whose copies folder is a link: a recovery would remove the copies and stray
+    # temporary files in the folder it points to
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = target / "megatron" / JOURNAL_DIR
+    original = state(target)
+    info = "megatron/core/package_info.py"
+    digest = hashlib.sha256((target / info).read_bytes()).hexdigest()
+    folder.mkdir()
+    (folder / "journal.json").write_text(json.dumps({
+        "operation": "patch apply", "patches": ["x"], "started": "pid 1",
+        "files": [{"path": info, "before": "0" * 64, "after": digest}]}))
+    (outside / "0").write_text("a file of the user's\n")
+    (outside / "0.1.abc.tmp").write_text("another\n")
+    (folder / "before").symlink_to(outside)
+    kept = tree(outside)
+    for command in ("check", "apply"):
+        code, err = run_cli(capsys, command, "--target", str(target))
+        assert tree(outside) == kept and state(target) == original, command
+        refused(code, err, "before", "symbolic link")
+
+
+@pytest.mark.parametrize("link", ["directory", "file"])
+def test_a_target_path_through_a_link_is_refused_and_its_outside_copy_kept(
+        target, tmp_path, capsys, link):
+    # a diff edits megatron/core/transformer/attention.py: the file, or its folder, is a link
+    # to a copy outside the target
+    folder = target / "megatron" / "core" / "transformer"
+    outside = tmp_path / "outside"
+    shutil.copytree(folder, outside)
+    moved = folder if link == "directory" else folder / "attention.py"
+    shutil.rmtree(moved) if link == "directory" else moved.unlink()
+    moved.symlink_to(outside if link == "directory" else outside / "attention.py")
+    kept = tree(outside)
+    for command in ("apply", "check", "revert"):
+        code, err = run_cli(capsys, command, "--target", str(target))
+        assert tree(outside) == kept, command
+        assert moved.is_symlink() and leftovers(target) == [], command
+        refused(code, err, str(moved), "symbolic link")
+
+
+def test_a_journal_entry_naming_a_directory_is_a_one_line_refusal(target, capsys):
+    folder = target / "megatron" / JOURNAL_DIR
+    (folder / "before").mkdir(parents=True)
+    (folder / "journal.json").write_text(json.dumps({
+        "operation": "patch apply", "patches": ["x"], "started": "pid 1",
+        "files": [{"path": "megatron/core", "before": None, "after": "0" * 64}]}))
+    original = state(target)
+    for command in ("check", "apply", "revert"):
+        code, err = run_cli(capsys, command, "--target", str(target))
+        refused(code, err, "megatron/core", "is a directory", JOURNAL_DIR)
+    assert state(target) == original and (folder / "journal.json").is_file()
+
+
+# ---------------------------------------------------------------- a read-only target
+NOBODY = 65534
+
+
+def as_reader(fn) -> tuple[int | None, str]:
+    """(result, stderr) of ``fn`` in a forked child that can read but not write the target:
+    as root, the child runs as ``nobody``; else the caller made the target read-only."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(read)
+        out: dict = {"rc": None}
+        err = io.StringIO()
+        try:
+            if os.geteuid() == 0:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                out["rc"] = fn()
+        except BaseException:  # noqa: BLE001 - a traceback is what the test must not see
+            err.write(traceback.format_exc())
+        out["err"] = err.getvalue()
+        with os.fdopen(write, "w") as fh:
+            fh.write(json.dumps(out))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        out = json.loads(fh.read())
+    os.waitpid(pid, 0)
+    return out["rc"], out["err"]
+
+
+def writable(root: Path, on: bool) -> None:
+    """Make every directory of ``root`` writable or not (a non-root user's read-only tree)."""
+    for folder, _, _ in os.walk(root):
+        os.chmod(folder, 0o755 if on else 0o555)
+
+
+@pytest.mark.parametrize("lock_mode", [0o644, 0o666])
+def test_a_read_only_target_holding_an_interrupted_transaction_is_refused_in_one_line(
+        pristine, lock_mode):
+    # outside pytest's private tmp folder, which another user cannot enter
+    base = Path(tempfile.mkdtemp(prefix="megatron-hcp-ro-"))
+    try:
+        base.chmod(0o755)
+        target = base / "pkg"
+        shutil.copytree(pristine, target)
+        target.chmod(0o755)  # copied from pytest's private folder
+        original = state(target)
+        cli_main(["patch", "check", "--target", str(target)])  # imports what the child needs
+        steps = record_steps(target)
+        third = [i for i, s in enumerate(steps) if s.startswith("rename") and JOURNAL_DIR
+                 not in s][2]
+        assert in_child(lambda: apply_diffs(target, on_step=crash_at(third))) == CRASH
+        lock = target / "megatron" / LOCK_FILE
+        assert lock.is_file() and (target / "megatron" / JOURNAL_DIR).is_dir()  # as kill -9
+        lock.chmod(lock_mode)  # 0o666: the lock opens for writing, the folders do not
+        interrupted = state(target)
+        assert interrupted != original
+        if os.geteuid() != 0:
+            writable(target, False)
+        try:
+            for command in ("check", "apply", "revert"):
+                code, err = as_reader(lambda c=command: cli_main(
+                    ["patch", c, "--target", str(target)]))
+                refused(code, err, str(target))
+                assert state(target) == interrupted, command
+        finally:
+            writable(target, True)
+        notes: list[str] = []
+        check_diffs(target, notify=notes.append)  # a user who can write finishes it
+        assert notes[0].startswith("rolled back an interrupted patch apply"), notes
+        assert state(target) == original and leftovers(target) == []
+    finally:
+        shutil.rmtree(base)
