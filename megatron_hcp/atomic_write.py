@@ -12,14 +12,17 @@ is no longer running, and keeps the files of a writer that is still at work.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["PLOT_SUFFIXES", "OutputPathError", "Step", "check_output_dir", "check_output_file",
-           "fsync_dir", "pid_alive", "reclaim_temps", "temp_files", "write_atomic"]
+           "fsync_dir", "pid_alive", "reclaim_temps", "save_figure", "temp_files",
+           "write_atomic"]
 
 PLOT_SUFFIXES = ("", ".png", ".pdf", ".svg")
 """What a ``--plot`` file may end with (matplotlib writes PNG without a suffix)."""
@@ -97,21 +100,70 @@ def _writable_dir(folder: Path, name: str, path: str | os.PathLike) -> None:
                               "(permission); give a writable location")
 
 
-def check_output_file(path: str | os.PathLike, name: str,
+def _shown(path: str | os.PathLike) -> str:
+    text = repr(str(path))
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+
+
+def check_output_file(path: str | os.PathLike | None, name: str,
                       suffixes: tuple[str, ...] = PLOT_SUFFIXES) -> Path:
-    """Refuse, before any work, an output file that could not be written at the end."""
-    file = Path(path)
-    if str(path) == "" or file.is_dir():
-        raise OutputPathError(f"{name} {str(path)!r} is a directory; give a file name such as "
+    """The file an output option will write - ``NAME`` without a suffix is ``NAME.png``, as
+    matplotlib writes it - checked before any work: a name within the file system's limits, a
+    known type, a writable directory, and nothing there but a regular file (never a directory,
+    a FIFO or a device such as ``/dev/full``). Returns that path."""
+    text = "" if path is None else str(path)
+    if not text.strip():
+        raise OutputPathError(f"{name} {_shown(text)}: is empty; give a file name such as "
                               "out.png")
+    file = Path(text)
     if file.suffix.lower() not in suffixes:
-        raise OutputPathError(f"{name} {str(path)!r}: unknown file type {file.suffix!r}; end "
-                              f"the name with one of {', '.join(s for s in suffixes if s)}")
-    _writable_dir(file.parent if str(file.parent) else Path("."), name, path)
-    if file.exists() and not os.access(file, os.W_OK):
-        raise OutputPathError(f"{name} {str(path)!r} exists and cannot be overwritten "
+        raise OutputPathError(f"{name} {_shown(text)}: unknown file type {file.suffix[:20]!r}; "
+                              f"end the name with one of {', '.join(s for s in suffixes if s)}")
+    given, file = file, file if file.suffix else file.with_name(file.name + ".png")
+    if len(os.fsencode(file.name)) > 255 or len(os.fsencode(str(file))) > 4095:
+        raise OutputPathError(f"{name} {_shown(text)}: the name is longer than the file system "
+                              "allows (255 bytes a name, 4095 a path); give a shorter one")
+    mode = None
+    for candidate in dict.fromkeys((given, file)):  # what was named, and what is written
+        try:
+            mode = os.stat(candidate).st_mode
+        except FileNotFoundError:
+            mode = None
+            continue
+        except OSError as err:
+            if err.errno == errno.ENOTDIR:  # a part of the path before the name is a file
+                folder = next((p for p in reversed(candidate.parents)
+                               if p.exists() and not p.is_dir()), candidate.parent)
+                raise OutputPathError(f"{name} {_shown(candidate)}: {_shown(folder)} is not a "
+                                      "directory; give a path inside a directory") from None
+            raise OutputPathError(f"{name} {_shown(candidate)}: cannot be checked "
+                                  f"({err.strerror}); give another path") from None
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode)
+                    else "not a regular file (a FIFO or a device)")
+            raise OutputPathError(f"{name} {_shown(candidate)} is {kind}; give a file name "
+                                  "such as out.png")
+    _writable_dir(file.parent if str(file.parent) else Path("."), name, text)
+    if mode is not None and not os.access(file, os.W_OK):
+        raise OutputPathError(f"{name} {_shown(file)} exists and cannot be overwritten "
                               "(permission); give another path")
     return file
+
+
+def save_figure(fig: object, path: Path, **kwargs: object) -> Path:
+    """Write a matplotlib figure to ``path`` (checked by :func:`check_output_file`) atomically:
+    a temporary file beside it, then a rename; returns ``path``."""
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
+                               dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=fmt, **kwargs)  # type: ignore[attr-defined]
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def check_output_dir(path: str | os.PathLike, name: str) -> Path:

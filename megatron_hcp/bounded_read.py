@@ -4,14 +4,18 @@ Every file (recipes, golden values, checkpoint manifests, schedule and planner i
 journals) is read by :func:`read_json` / :func:`read_yaml` (or :func:`read_text`), which refuse,
 before any parsing that could recurse or allocate without bound:
 
-* more than ``max_bytes`` bytes (default :data:`MAX_FILE_BYTES`; special files such as
-  ``/dev/zero`` are read only up to the limit);
+* anything but a regular file (a directory, a FIFO, a device such as ``/dev/zero``, a symlink
+  loop), by its type, without blocking on it;
+* more than ``max_bytes`` bytes (default :data:`MAX_FILE_BYTES`);
 * nesting deeper than :data:`MAX_DEPTH` (measured on the text: a 100000-deep list is refused,
   not a ``RecursionError``);
 * integers outside +-(2**63 - 1) and (by default) non-finite numbers (``NaN``, ``Infinity``,
-  ``1e400``): they overflow or compare wrongly later;
-* YAML tags of Python objects (``yaml.safe_load``) and more than :data:`MAX_YAML_ALIASES`
-  aliases.
+  ``1e400``): they overflow or compare wrongly later; a JSON key repeated in one object (the
+  last would win silently);
+* YAML tags of Python objects (``yaml.safe_load``), more than :data:`MAX_YAML_ALIASES`
+  aliases, and documents whose aliases expand to more than :data:`MAX_YAML_NODES` nodes (an
+  alias counts the whole node it names: a "billion laughs" document is refused from its event
+  stream, before anything is built).
 
 Each refusal is an :class:`InputFileError` naming the input, the file, the rule (with its
 limit) and the fix, in one line.
@@ -23,10 +27,12 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT", "MAX_YAML_ALIASES", "MAX_YAML_BYTES",
+           "MAX_YAML_NODES",
            "InputFileError",
            "check_depth", "loads_json", "loads_yaml", "read_json", "read_text", "read_yaml"]
 
@@ -37,6 +43,8 @@ MAX_DEPTH = 64
 MAX_INT = (1 << 63) - 1
 """Largest integer magnitude in a file (int64): larger ones overflow floats and tensors."""
 MAX_YAML_ALIASES = 100
+MAX_YAML_NODES = 100_000
+"""Most nodes of a YAML document with its aliases expanded (recipes have about a hundred)."""
 MAX_YAML_BYTES = 1 << 20
 """Largest YAML file read (1 MiB; YAML parses slowly, and recipes are a few hundred bytes)."""
 
@@ -46,20 +54,41 @@ class InputFileError(ValueError):
 
     def __init__(self, name: str, path: str | os.PathLike, rule: str, fix: str):
         self.name, self.path, self.rule, self.fix = name, str(path), rule, fix
-        super().__init__(f"{name} {str(path)!r}: {rule}; {fix}")
+        shown = repr(str(path))
+        shown = shown if len(shown) <= 120 else f"{shown[:100]}... ({len(shown)} characters)"
+        super().__init__(f"{name} {shown}: {rule}; {fix}")
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
 
 
 def read_text(path: str | os.PathLike, name: str = "file", *,
               max_bytes: int = MAX_FILE_BYTES) -> str:
-    """UTF-8 text of ``path``, refusing more than ``max_bytes`` bytes before reading them."""
+    """UTF-8 text of the regular file ``path``, refusing more than ``max_bytes`` bytes before
+    reading them and anything else (a FIFO, a directory, a device) by its type: opened without
+    blocking, so a FIFO nobody writes never hangs the reader."""
     try:
-        with open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size > max_bytes:
-                raise _too_big(name, path, max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise InputFileError(name, path, f"cannot be read ({err.strerror or err})",
+                             "give a readable file") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((k for test, k in _KINDS if test(info.st_mode)), "not a regular file")
+            raise InputFileError(name, path, f"is {kind}, not a regular file",
+                                 "give the path of a file")
+        if info.st_size > max_bytes:
+            raise _too_big(name, path, max_bytes)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
             data = fh.read(max_bytes + 1)
     except OSError as err:
         raise InputFileError(name, path, f"cannot be read ({err.strerror or err})",
                              "give a readable file") from None
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         raise _too_big(name, path, max_bytes)
     try:
@@ -115,11 +144,23 @@ def _no_constant(text: str) -> float:
     raise ValueError(f"{text} is not a finite number")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique (a repeated key would silently keep the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise ValueError(f"the key {shown!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def loads_json(text: str, name: str, path: str | os.PathLike = "<text>", *,
                finite: bool = True, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse JSON ``text`` within the bounds (``finite=False`` lets NaN/Infinity through)."""
+    """Parse JSON ``text`` within the bounds (``finite=False`` lets NaN/Infinity through);
+    an object with a repeated key is refused."""
     check_depth(text, name, path, max_depth=max_depth)
-    hooks: dict[str, Any] = {"parse_int": _int}
+    hooks: dict[str, Any] = {"parse_int": _int, "object_pairs_hook": _unique_keys}
     if finite:
         hooks.update(parse_float=_float, parse_constant=_no_constant)
     try:
@@ -141,20 +182,44 @@ def _yaml_shape(text: str, name: str, path: str | os.PathLike, max_depth: int) -
     composer does, so the shape is checked before composing)."""
     import yaml
 
-    depth = aliases = 0
+    aliases = 0
+    # nodes of each open collection with aliases expanded, and of each anchor
+    open_sizes: list[tuple[int, str | None]] = []
+    anchored: dict[str, int] = {}
+    total = 0
+
+    def add(size: int) -> None:
+        nonlocal total
+        if open_sizes:
+            count, anchor = open_sizes[-1]
+            open_sizes[-1] = (count + size, anchor)
+        else:
+            total += size
+        if total + sum(c for c, _ in open_sizes) > MAX_YAML_NODES:
+            raise InputFileError(name, path, f"expands to more than {MAX_YAML_NODES} nodes "
+                                 "(its aliases repeat whole subtrees)", "write the values out")
+
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            depth += 1
-            if depth > max_depth:
+            open_sizes.append((1, event.anchor))
+            if len(open_sizes) > max_depth:
                 raise InputFileError(name, path, f"nests lists or mappings deeper than the "
                                      f"limit of {max_depth} levels", "give a flat file")
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            depth -= 1
+            size, anchor = open_sizes.pop()
+            if anchor is not None:
+                anchored[anchor] = size
+            add(size)
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                anchored[event.anchor] = 1
+            add(1)
         elif isinstance(event, yaml.AliasEvent):
             aliases += 1
             if aliases > MAX_YAML_ALIASES:
                 raise InputFileError(name, path, f"has more than {MAX_YAML_ALIASES} YAML "
                                      "aliases", "write the values out")
+            add(anchored.get(event.anchor, 1))
 
 
 def _check_numbers(value: Any, name: str, path: str | os.PathLike, finite: bool) -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["UsageError", "build_parser", "main", "parse_and_check"]
@@ -234,8 +235,7 @@ _TWO_LINK_FLAGS = ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_latency_u
 def _schedule_check(args: argparse.Namespace) -> list[int]:
     """The schedule input, the link dialect (one link or two classes), the HCP sizes, the
     head counts and the ``--plot`` path."""
-    if args.plot:
-        _output_file(args.plot)
+    args.plot_path = _output_file(args.plot) if args.plot is not None else None
     lengths = _read_lengths(args.lengths)
     kv = args.kv_heads if args.kv_heads is not None else args.heads
     if kv > args.heads or args.heads % kv:
@@ -288,11 +288,11 @@ def _dynamic_hcp_a2a_size(args: argparse.Namespace) -> int:
     return sizes[0]
 
 
-def _output_file(path: str) -> None:
+def _output_file(path: str) -> Path:
     from .atomic_write import OutputPathError, check_output_file
 
     try:
-        check_output_file(path, "--plot")
+        return check_output_file(path, "--plot")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
 
@@ -350,10 +350,11 @@ def _schedule(args: argparse.Namespace) -> int:
     except ScheduleError as err:
         print(f"cannot schedule: {_one_line(err)}", file=sys.stderr)
         return 2
-    if args.plot:
+    if args.plot_path is not None:
         from .dynamic_cp.plot import plot_plan
 
-        plot_plan(plan, lengths, workload, args.plot)
+        plot_plan(plan, lengths, workload, args.plot_path)
+        print(f"plot: {args.plot_path}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         out = plan.to_json()
         if a2a_size is not None:  # the levels each group runs with
@@ -430,8 +431,8 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
             continue
         recipes.append(recipe)
     args.launch = _launch(args, recipes)
-    if args.functional_command in ("run", "compare"):  # update-golden replaces a bad one
-        _check_goldens(recipes, args.launch.platform)
+    _check_goldens(recipes, args.launch.platform,
+                   read=args.functional_command in ("run", "compare"))  # update replaces
     if getattr(args, "plot", None):
         from .atomic_write import OutputPathError, check_output_dir
 
@@ -442,13 +443,28 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
     return recipes
 
 
-def _check_goldens(recipes: list[Any], platform: str) -> None:
-    """Each recipe's golden file, read and validated before any rank starts."""
+def _check_goldens(recipes: list[Any], platform: str, *, read: bool) -> None:
+    """Each recipe's golden file, before any rank starts: where anything is at its path, it
+    must be a regular file (not a directory, a FIFO, a broken or looping link) and, with
+    ``read`` (run, compare; update-golden replaces a bad one), valid golden values."""
+    import os
+    import stat
+
     from .functional.golden import GoldenError, load_golden
 
     for recipe in recipes:
         path = recipe.golden_path(platform=platform)
-        if path.is_file():
+        if not os.path.lexists(path):
+            continue
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as err:
+            raise UsageError(f"golden values {str(path)!r}: cannot be read ({err.strerror}); "
+                             "remove it or make it a file") from None
+        if not regular:
+            raise UsageError(f"golden values {str(path)!r}: is not a regular file; remove it "
+                             f"(`functional update-golden {recipe.name}` writes a new one)")
+        if read:
             try:
                 load_golden(path)
             except GoldenError as err:
@@ -589,6 +605,11 @@ def _parallel_flags(p: argparse.ArgumentParser, size: Callable[[str], Any], *, t
                    help="the a2a and p2p level sizes: 2 2 (or 2,2)")
 
 
+# the schedule command's DPxCP group: its cost grows with the ranks (an aligned-block sweep per
+# micro-batch); measured with 65536 sequences: 16384 ranks 52 s, 131072 ranks 88-100 s
+SCHEDULE_MAX_DP_CP = 16384
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import CP_COMM_TYPES, LIMITS, MAX_RANKS, MAX_STEPS
     from .planner import command as plan_command
@@ -628,7 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify_groups, check=_verify_kwargs)
 
     p = sub.add_parser("schedule", help="plan dynamic-CP micro-batches for a global batch")
-    p.add_argument("--dp-cp", type=size, required=True)
+    p.add_argument("--dp-cp", type=_typed("int", "--dp-cp", minimum=1,
+                                          maximum=SCHEDULE_MAX_DP_CP), required=True,
+                   help=f"ranks of the DPxCP group (at most {SCHEDULE_MAX_DP_CP}: "
+                        "benchmarks/input_limits.py)")
     p.add_argument("--max-seqlen-per-rank", type=_typed("seqlen", "--max-seqlen-per-rank"),
                    required=True)
     p.add_argument("--min-cp-size", type=size, default=1)

@@ -6,9 +6,11 @@ these registry patches make such a config (megatron-core 0.19's ``hybrid_context
 the development branch's ``dynamic_context_parallel``) train through Bridge's loop on
 megatron-hcp's scheduler and data path:
 
-* ``bridge-cp-setup`` (``training.setup.setup``): before any process group exists, every rank
-  reads Bridge's config into a :class:`~megatron_hcp.config.CPConfig` and validates it (named
-  errors, the same on every rank). The validated config travels on the model config
+* ``bridge-cp-setup`` (``training.config.runtime_config_update``, the first thing ``pretrain()``
+  and ``finetune()`` do, and ``training.setup.setup``): before Bridge's own config code and
+  before any process group exists, every rank reads Bridge's config into a
+  :class:`~megatron_hcp.config.CPConfig` strictly and validates it (named errors, the same on
+  every rank). The validated config travels on the model config
   (``_megatron_hcp_cp_config``, private: Bridge does not serialize it). A dynamic-CP config is
   taken over: megatron-core's own ``hybrid_context_parallel`` / ``dynamic_context_parallel``
   flags are turned off (logged on rank 0), so megatron's schedule and groups for it never run
@@ -151,6 +153,18 @@ def _check_dynamic_loop(model: Any, config: CPConfig) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _make_runtime_config_update(original):
+    @functools.wraps(original)
+    def runtime_config_update(cfg, *args, **kwargs):
+        """Bridge's, after :func:`prepare_config`: ``pretrain()`` / ``finetune()`` call it first,
+        and Bridge's own config code divides by the CP sizes (a string size was Bridge's
+        ``TypeError``); the CP fields are read strictly here, named errors on every rank."""
+        prepare_config(cfg)
+        return original(cfg, *args, **kwargs)
+
+    return runtime_config_update
 
 
 def _make_setup(original):
@@ -382,7 +396,10 @@ def _make_get_forward_backward_func(original):
 def dynamic_cp_targets() -> dict[str, tuple[Target, ...]]:
     """The registry targets of the patches in the module docstring, by patch name."""
     return {
-        "bridge-cp-setup": (Target(f"{_PKG}.training.setup", "setup", _make_setup,
+        "bridge-cp-setup": (Target(f"{_PKG}.training.config", "runtime_config_update",
+                                   _make_runtime_config_update, params=("cfg",),
+                                   also_bound_under=_PKG),
+                            Target(f"{_PKG}.training.setup", "setup", _make_setup,
                                    params=("state", "train_valid_test_datasets_provider"),
                                    also_bound_under=_PKG),),
         "bridge-mpu-cp-groups": (Target(f"{_PKG}.training.initialize",

@@ -336,10 +336,12 @@ def _loop_patch(name: str, summary: str, upstream: str) -> Patch:
 # dynamic_cp)
 BRIDGE_LOOP_PATCHES: tuple[Patch, ...] = (
     _loop_patch("bridge-cp-setup",
-                "setup validates the config as a CP setup (CPConfig, every rank, before any "
-                "process group) and takes dynamic CP over from megatron-core's own",
-                "megatron/bridge/training/setup.py setup (initialize_megatron with the config "
-                "as given)"),
+                "pretrain()/finetune() read the CP fields strictly at entry and setup validates "
+                "the config as a CP setup (CPConfig, every rank, before any process group), "
+                "taking dynamic CP over from megatron-core's own",
+                "megatron/bridge/training/pretrain.py:74 runtime_config_update (config.py:1024 "
+                "divides by the CP size as given: a string size is a TypeError); "
+                "training/setup.py setup (initialize_megatron with the config as given)"),
     _loop_patch("bridge-mpu-cp-groups",
                 "on the MPU path megatron's groups are checked against the CP layout and "
                 "logged (HIERARCHICAL_CONTEXT_PARALLEL_GROUPS), dynamic CP groups created",

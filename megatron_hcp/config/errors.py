@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CPConfigError", "Violation"]
+__all__ = ["BRIEF", "CPConfigError", "Violation", "brief"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,21 @@ class Violation:
     fix: str
 
     def __str__(self) -> str:
-        return f"{self.parameter}={self.value!r}: {self.rule}. Fix: {self.fix}."
+        name = str(self.parameter)
+        name = name if len(name) <= BRIEF else f"{name[:BRIEF - 22]}... ({len(name)} characters)"
+        return f"{name}={brief(self.value)}: {self.rule}. Fix: {self.fix}."
+
+
+BRIEF = 80  # characters of a value an error quotes
+
+
+def brief(value: Any, limit: int = BRIEF) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error never floods with a bad value."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond Python's int-to-text limit
+        return "<an integer of over 4000 digits>"
+    return text if len(text) <= limit else f"{text[:limit - 22]}... ({len(text)} characters)"
 
 
 class CPConfigError(ValueError):

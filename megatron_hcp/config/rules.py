@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -47,6 +48,55 @@ MIN_TE_VERSION_A2A_P2P = (1, 12)
 # Dynamic CP always packs THD, so dynamic HCP on TE needs the first release with that commit.
 MIN_TE_VERSION_A2A_P2P_THD = (2, 20)
 Backend = Literal["auto", "te", "reference"]
+
+
+def _plain_ints(value: object) -> object:
+    """``value`` with integral numbers (numpy, torch) as Python ints, in lists too."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    if isinstance(value, list):
+        return [_plain_ints(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain_ints(v) for v in value)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# a field kind of FIELD_KINDS -> (the Python values it takes, what to write instead)
+_TYPES: dict[str, tuple[object, str]] = {
+    "int": (_is_int, "an integer"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "version": (lambda v: isinstance(v, str), "a version string such as '2.20.0'"),
+    "strs": (lambda v: isinstance(v, str) or isinstance(v, (list, tuple)) and bool(v) and all(
+        isinstance(x, str) for x in v), "a string or a list of strings"),
+    "sizes": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
+              "a list of integers, e.g. [2, 2]"),
+    "window": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(
+        _is_int(x) for x in v), "two integers (left, right), e.g. [128, 0]"),
+}
+
+
+def _type_violations(config: CPConfig) -> list[Violation]:
+    """Every field whose Python type its kind does not take (FIELD_KINDS; ``?``: None too)."""
+    out = []
+    for name, kind in FIELD_KINDS.items():
+        value = getattr(config, name)
+        optional, base = kind.startswith("?"), kind.lstrip("?")
+        if value is None and optional:
+            continue
+        accepts, wanted = _TYPES["int" if base in LIMITS else base]
+        if value is None or not accepts(value):
+            hint = (f"; {name}={int(value)} if you meant the number" if isinstance(value, str)
+                    and value.strip().lstrip("+-").isdigit() and len(value) < 30 else "")
+            out.append(Violation(name, value, f"must be {wanted}"
+                                 + (" (or None)" if optional else "")
+                                 + f", not {type(value).__name__}",
+                                 f"pass {wanted}{hint}"))
+    return out
 
 
 def is_power_of_two(n: int) -> bool:
@@ -89,6 +139,8 @@ class CPConfig:
     softmax_type: str = "vanilla"
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # numpy / torch integers are integers
+            setattr(self, f.name, _plain_ints(getattr(self, f.name)))
         if self.hybrid_context_parallel is True:  # deprecated alias (advice in validate())
             self.dynamic_context_parallel = True
 
@@ -146,9 +198,23 @@ class CPConfig:
     def validate(self) -> list[str]:
         """Check every rule; raise :class:`CPConfigError` listing all violations.
 
-        Returns advice (strings) for a valid configuration: choices that work but are usually not
-        what the user wants.
+        Every field's type is checked first, strictly (``"4"`` is not 4, ``None`` is no size);
+        the rules then run with each mistyped field at its default, and a rule that involves a
+        mistyped field is not reported (its type error is). Returns advice (strings) for a
+        valid configuration: choices that work but are usually not what the user wants.
         """
+        violations = _type_violations(self)
+        mistyped = {v.parameter for v in violations}
+        config = self if not mistyped else dataclasses.replace(self, **{
+            f.name: f.default for f in dataclasses.fields(self) if f.name in mistyped})
+        rules, advice = config._rule_violations()
+        violations += [v for v in rules if not any(
+            name in v.parameter or name in v.rule or name in v.fix for name in mistyped)]
+        if violations:
+            raise CPConfigError(violations)
+        return advice
+
+    def _rule_violations(self) -> tuple[list[Violation], list[str]]:
         violations: list[Violation] = []
         advice: list[str] = []
         for check in (
@@ -162,9 +228,7 @@ class CPConfig:
             self._check_dynamic,
         ):
             check(violations, advice)
-        if violations:
-            raise CPConfigError(violations)
-        return advice
+        return violations, advice
 
     def _check_sizes(self, out: list[Violation], advice: list[str]) -> None:
         for name in (

@@ -113,6 +113,10 @@ def parse_int(value: Any, name: str, *, minimum: int | None = None,
               maximum: int | None = None, text: bool = True) -> int:
     """An integer from an int (never a bool or a float) or, with ``text``, integer digits."""
     if isinstance(value, str) and text and _INT_TEXT.fullmatch(value.strip()):
+        digits = value.strip().lstrip("+-").lstrip("0")
+        if len(digits) > len(str(MAX_INT)):  # before int(): Python refuses > 4300 digits
+            raise _bad(name, value, f"must be within +-{MAX_INT} (int64); it has "
+                       f"{len(digits)} digits", "use a smaller number")
         value = int(value.strip())
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)  # numpy and torch integers are integers
@@ -160,13 +164,14 @@ def parse_float(value: Any, name: str, *, minimum: float | None = None,
     return float(value)
 
 
-def parse_bool(value: Any, name: str) -> bool:
-    """A boolean from a bool or one of the spellings true/false/1/0 (any case)."""
+def parse_bool(value: Any, name: str, *, text: bool = True) -> bool:
+    """A boolean from a bool or, with ``text``, one of the spellings true/false/1/0 (any
+    case)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (0, 1):
+    if isinstance(value, int) and value in (0, 1) and text:
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_TEXT:
+    if isinstance(value, str) and text and value.strip().lower() in _BOOL_TEXT:
         return _BOOL_TEXT[value.strip().lower()]
     raise _bad(name, value, "must be a boolean (true, false, 1 or 0)",
                f"write {name}=true or {name}=false")
@@ -192,16 +197,23 @@ def _items(value: Any, name: str) -> list[Any]:
     return [p.strip() for p in text.split(",")] if text else []
 
 
-def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
+def parse_value(raw: Any, kind: str = "literal", name: str = "value", *,
+                text: bool = True) -> Any:
     """The one strict value parser: ``raw`` (text, or a YAML/JSON value) as ``kind``.
 
     Kinds: ``int`` (int64), the bounded counts of :data:`LIMITS` (``posint``, ``size``
     (1..:data:`MAX_RANKS`), ``seqlen``, ``layers``, ``heads``, ``width``, ...), ``float``, ``bool``,
     ``version``, ``str``, ``sizes``/``strs`` (lists, ``[2,2]`` or ``2,2``); a ``?`` prefix also
     accepts ``none``/``null``. ``literal`` (untyped settings): true/false, integers, ``none``,
-    lists, else the text. Raises :class:`CPConfigError` naming ``name``, the value, the rule
-    and the fix.
+    lists, else the text. ``text=False`` reads a typed value (YAML, JSON, Python): a number or a
+    boolean must be one, not its spelling (a quoted ``"32"`` is text). Raises
+    :class:`CPConfigError` naming ``name``, the value, the rule and the fix.
     """
+    if not text and isinstance(raw, str) and kind.lstrip("?") in (
+            "int", "float", "bool", "sizes", "window", *LIMITS):
+        want = "a boolean" if kind.lstrip("?") == "bool" else "a number"
+        raise _bad(name, raw, f"must be {want}, not text (a quoted value is a string)",
+                   f"write {name}: {raw.strip()}" if len(raw) < 40 else f"write {want}")
     if kind.startswith("?"):
         if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_TEXT):
             return None
@@ -213,7 +225,7 @@ def parse_value(raw: Any, kind: str = "literal", name: str = "value") -> Any:
     if kind == "float":
         return parse_float(raw, name)
     if kind == "bool":
-        return parse_bool(raw, name)
+        return parse_bool(raw, name, text=text)
     if kind == "version":
         return parse_version(raw, name)
     if kind == "str":

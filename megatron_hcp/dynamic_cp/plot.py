@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+from ..atomic_write import save_figure
 from .scheduler import Plan
 from .workload import GPTWorkload
 
@@ -38,5 +40,5 @@ def plot_plan(plan: Plan, lengths: Sequence[int], workload: GPTWorkload, path: s
     ax.set_title(f"{len(plan.micro_batches)} micro-batches, efficiency "
                  f"{summary.get('efficiency', 0):.3f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, Path(path), dpi=100)
     plt.close(fig)

@@ -9,8 +9,9 @@ File: ``{"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1,
 and a metric passes when at least :data:`MIN_FRACTION` of the compared steps pass.
 
 Nothing is lost or passes by accident: a golden file is validated when it is read (every step
-from ``start_step`` to ``end_step`` present, finite numbers only, plain JSON: no NaN/Infinity);
-every golden step must be in the run, and a non-finite value in a run is a failure. Golden files
+from ``start_step`` to ``end_step`` present, finite numbers only, plain JSON: no NaN/Infinity,
+no repeated key); every golden step must be in the run and every step of the run in the golden
+values, and a non-finite value in a run is a failure. Golden files
 are replaced only by :func:`replace_golden`: it refuses a run that is non-finite or shorter than
 the recipe, writes atomically (temporary file, fsync, rename) and reports the change per step.
 """
@@ -209,6 +210,14 @@ def compare(actual: dict[str, dict[Any, float]], golden: dict[str, dict]) -> Com
         if missing:
             lines.append(f"{name}: FAIL the run has no value for golden steps {missing[:10]} "
                          f"(golden covers {steps[0]}..{steps[-1]}; the run was shorter)")
+            ok = False
+            continue
+        uncovered = sorted(set(got) - set(steps))
+        if uncovered:
+            lines.append(f"{name}: FAIL the golden values cover steps {steps[0]}..{steps[-1]} "
+                         f"but the run has steps {uncovered[:10]} too (a truncated or edited "
+                         "golden file checks nothing there); regenerate it with "
+                         "`megatron-hcp functional update-golden NAME`")
             ok = False
             continue
         rels = [_rel(got[s], want[s]) for s in steps]

@@ -13,6 +13,8 @@ written against torch's and megatron's APIs and not verified.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 
 __all__ = ["BACKENDS", "MAX_RANKS_PER_NODE", "Launch", "LaunchError", "PLATFORMS",
@@ -50,6 +52,20 @@ def require_runnable(platform: str) -> None:
     if platform == "gpu_nccl" and detect_platform() != "gpu_nccl":
         raise LaunchError("--platform gpu_nccl: this machine has no CUDA device with NCCL "
                           "(torch.cuda.is_available() is False); pass --platform cpu_gloo")
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _valid_address(addr: str) -> bool:
+    """An IP address, or a host name of ASCII labels (RFC 1123), at most 253 characters."""
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    return 0 < len(addr) <= 253 and all(_HOST_LABEL.fullmatch(label)
+                                        for label in addr.rstrip(".").split("."))
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,11 @@ class Launch:
         if self.nnodes > 1 and self.master_port is None:
             raise LaunchError(f"--master-port: required with --nnodes {self.nnodes} (every node "
                               "must meet on the same port); pass e.g. --master-port 29500")
+        if not _valid_address(self.master_addr):
+            shown = self.master_addr if len(self.master_addr) <= 60 else (
+                self.master_addr[:57] + "...")
+            raise LaunchError(f"--master-addr {shown!r}: must be an IP address or a host name "
+                              "(ASCII letters, digits, '-' and '.'); give node 0's address")
         if self.nnodes > 1 and self.master_addr in ("127.0.0.1", "localhost"):
             raise LaunchError(f"--master-addr {self.master_addr}: with --nnodes {self.nnodes} "
                               "the other nodes cannot reach a loopback address; pass node 0's "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..atomic_write import save_figure
 from .harness import RecipeResult
 
 __all__ = ["plot_result"]
@@ -49,6 +50,6 @@ def plot_result(result: RecipeResult, out_dir: str | os.PathLike) -> Path:
     ax.legend()
     fig.tight_layout()
     path = out / f"{result.name}.png"
-    fig.savefig(path, dpi=100)
+    save_figure(fig, Path(path), dpi=100)
     plt.close(fig)
     return path

@@ -191,7 +191,7 @@ class Recipe:
 def _convert(flag: str, raw: Any, kind: str) -> Any:
     if kind.lstrip("?") == _BOOL and raw in (None, ""):
         return True  # a bare switch (``--mock-data:``)
-    return parse_value(raw, kind, flag)
+    return parse_value(raw, kind, flag, text=False)  # YAML values are typed
 
 
 def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
@@ -247,7 +247,7 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
     if "NPROC" not in doc:
         raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
                                        "add NPROC: <ranks> to model_config.yaml")])
-    world = parse_value(doc["NPROC"], "size", "NPROC")
+    world = parse_value(doc["NPROC"], "size", "NPROC", text=False)
     test_type = parse_value(doc.get("TEST_TYPE", "regular"), "str", "TEST_TYPE")
     if test_type not in TEST_TYPES:
         raise CPConfigError([Violation("TEST_TYPE", test_type, "unknown test type",

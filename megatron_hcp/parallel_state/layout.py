@@ -79,13 +79,19 @@ def hierarchical_level_groups(ranks: Sequence[int], level_sizes: Sequence[int]) 
             f"hierarchical sizes {list(level_sizes)} multiply to {math.prod(level_sizes)}, "
             f"but the CP group has {len(ranks)} ranks"
         )
-    arr = np.asarray(ranks)
+    return _level_groups(np.asarray(ranks).reshape(1, -1), level_sizes)
+
+
+def _level_groups(cp_groups: np.ndarray, level_sizes: Sequence[int]) -> list[Groups]:
+    """The levels of every row of ``cp_groups`` (one CP group a row), group after group."""
     levels = []
+    n, cp = cp_groups.shape
     for level, size in enumerate(level_sizes):
         inner = math.prod(level_sizes[:level])
-        outer = len(ranks) // (inner * size)
+        outer = cp // (inner * size)
         # cp_index = i + inner * (d + size * o): groups vary d for fixed (o, i).
-        levels.append(arr.reshape(outer, size, inner).transpose(0, 2, 1).reshape(-1, size).tolist())
+        levels.append(cp_groups.reshape(n, outer, size, inner).transpose(0, 1, 3, 2)
+                      .reshape(-1, size).tolist())
     return levels
 
 
@@ -166,8 +172,8 @@ class ParallelLayout:
         object.__setattr__(self, "groups", groups)
         hcp: list[Groups] = []
         if self.hierarchical_sizes:
-            per_cp = [hierarchical_level_groups(g, self.hierarchical_sizes) for g in groups["cp"]]
-            hcp = [sum((p[level] for p in per_cp), []) for level in range(len(per_cp[0]))]
+            hierarchical_level_groups(groups["cp"][0], self.hierarchical_sizes)  # checks sizes
+            hcp = _level_groups(np.asarray(groups["cp"]), self.hierarchical_sizes)
         object.__setattr__(self, "hcp", hcp)
 
     @property

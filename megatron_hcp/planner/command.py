@@ -115,6 +115,7 @@ def _build(args: argparse.Namespace):
     from .gpus import cluster_for
     from .inputs import (
         PLAN_MAX_GPUS,
+        PLAN_MAX_VARLEN_GPUS,
         Batch,
         ModelSpec,
         Options,
@@ -153,10 +154,12 @@ def _build(args: argparse.Namespace):
         raise PlanInputError(f"--global-batch {global_batch} must be >= 1")
     if args.lengths:
         batch = lengths_file(args.lengths)
+        _check_varlen_batch(len(batch.lengths), "--lengths")
     elif args.lognormal:
         median, sigma, lo, hi = lognormal_spec(args.lognormal)
         if global_batch is None:
             raise PlanInputError("--lognormal needs --global-batch (sequences per step)")
+        _check_varlen_batch(global_batch, "--global-batch")
         batch = lognormal(global_batch, median, sigma, lo, hi, args.seed)
     elif seq is not None:
         if global_batch is None:
@@ -176,6 +179,12 @@ def _build(args: argparse.Namespace):
                           intra_latency_seconds=args.intra_latency_us * 1e-6,
                           inter_latency_seconds=args.inter_latency_us * 1e-6, **explicit)
     gpus = cluster.nodes * cluster.gpus_per_node
+    if not batch.fixed and gpus > PLAN_MAX_VARLEN_GPUS:
+        raise PlanInputError(
+            f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {gpus} GPUs "
+            f"with a batch of variable lengths is over the planner's limit of "
+            f"{PLAN_MAX_VARLEN_GPUS} (each layout schedules the batch; beyond that it runs for "
+            "minutes); plan a slice of the cluster, or a fixed --seq-length")
     if gpus > PLAN_MAX_GPUS:
         raise PlanInputError(
             f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {gpus} GPUs "
@@ -190,6 +199,16 @@ def _build(args: argparse.Namespace):
     return model, batch, cluster, options
 
 
+def _check_varlen_batch(count: int, flag: str) -> None:
+    from .inputs import PLAN_MAX_VARLEN_SEQUENCES, PlanInputError
+
+    if count > PLAN_MAX_VARLEN_SEQUENCES:
+        raise PlanInputError(
+            f"{flag}: {count} sequences of variable lengths is over the planner's limit of "
+            f"{PLAN_MAX_VARLEN_SEQUENCES} (each layout schedules the batch); give a "
+            "representative sample of at most that many")
+
+
 def calibration_line() -> str:
     """How well the model matched the published runs (recomputed from the data each time)."""
     from .calibration import compare_all, load_published, summarize
@@ -202,8 +221,7 @@ def check(args: argparse.Namespace):
     layout is estimated: (model, batch, cluster, options). Raises ValueError (one line)."""
     from ..atomic_write import check_output_file
 
-    if args.plot:
-        check_output_file(args.plot, "--plot")
+    args.plot_path = check_output_file(args.plot, "--plot") if args.plot is not None else None
     return _build(args)
 
 
@@ -217,8 +235,9 @@ def run(args: argparse.Namespace) -> int:
     except (PlanInputError, ValueError) as err:  # e.g. no layout fits: one line
         print(f"megatron-hcp plan: {err}".splitlines()[0], file=sys.stderr)
         return 2
-    if args.plot:
-        plot_breakdown(result.ranked, args.plot, args.top)
+    if args.plot_path is not None:
+        plot_breakdown(result.ranked, args.plot_path, args.top)
+        print(f"plot: {args.plot_path}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0

@@ -6,6 +6,8 @@ model, with its two link classes); the memory model is documented in :mod:`megat
 
 from __future__ import annotations
 
+import functools
+import heapq
 from dataclasses import dataclass, field
 
 from ..config import CPConfig, CPConfigError
@@ -373,6 +375,12 @@ def _dynamic_cap(model: ModelSpec, batch: Batch, cluster: Cluster, options: Opti
     return _round_up(need, CAP_ALIGN), False
 
 
+@functools.lru_cache(maxsize=8)  # a layout's recompute modes share its rank lists
+def _grid(world: int, tp: int, cp: int, pp: int, hcp: tuple[int, ...] | None
+          ) -> ParallelLayout:
+    return ParallelLayout(world, tp=tp, cp=cp, pp=pp, hierarchical_sizes=hcp)
+
+
 def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
               layout: Layout, recompute: str) -> Estimate | None:
     lengths = list(batch.lengths)
@@ -389,8 +397,8 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             layout.config(model, options).validate()
         except CPConfigError:
             return None
-    grid = ParallelLayout(cluster.world_size, tp=layout.tp, cp=layout.cp, pp=layout.pp,
-                          hierarchical_sizes=layout.hcp)
+    grid = _grid(cluster.world_size, layout.tp, layout.cp, layout.pp,
+                 tuple(layout.hcp) if layout.hcp else None)
     costs = _Costs(model, layout, cluster, options, recompute, grid)
     detail: dict = {}
     if layout.dynamic:
@@ -424,22 +432,32 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
         detail["group_sizes"] = dict(sorted(sizes.items()))
     else:
         c = layout.cp
-        if batch.fixed:
-            bins = [[length] for length in lengths]
-        else:
-            bins = _pack(lengths, layout.seq_length, 2 * c)
+        # a fixed-length batch has one kind of micro-batch, one sequence each
+        bins = [lengths[:1]] if batch.fixed else _pack(lengths, layout.seq_length, 2 * c)
+        seconds: dict[tuple[int, ...], tuple[float, float, float]] = {}
         mbs = []
-        for b in bins:
-            gemm, attn, cpt = (sum(costs.sequence(x)[i] for x in b) for i in range(3))
-            comp = costs.compute(gemm, attn)
-            tokens = sum(tokens_per_rank(x, c) for x in b)
-            mbs.append((comp, cpt, costs.tp_seconds(tokens, comp)))
-        replicas = [[] for _ in range(layout.dp)]  # longest first to the least-loaded replica
-        loads = [0.0] * layout.dp
-        for m in sorted(mbs, key=sum, reverse=True):
-            r = loads.index(min(loads))
-            replicas[r].append(m)
-            loads[r] += sum(m)
+        for b in bins:  # each kind of micro-batch is costed once
+            key = tuple(b)
+            if key not in seconds:
+                gemm, attn, cpt = (sum(costs.sequence(x)[i] for x in b) for i in range(3))
+                comp = costs.compute(gemm, attn)
+                tokens = sum(tokens_per_rank(x, c) for x in b)
+                seconds[key] = (comp, cpt, costs.tp_seconds(tokens, comp))
+            mbs.append(seconds[key])
+        if batch.fixed:
+            mbs *= len(lengths)
+        if len(seconds) == 1:  # every micro-batch alike: each replica holds q or q + 1
+            q, extra = divmod(len(mbs), layout.dp)
+            replicas = [[mbs[0]] * (q + 1)] * (extra > 0) + [[mbs[0]] * q] * (extra < layout.dp)
+        else:  # longest first to the least-loaded replica (a heap: O(log DP) each)
+            replicas = [[] for _ in range(layout.dp)]
+            loads = [(0.0, r) for r in range(layout.dp)]
+            for m in sorted(mbs, key=sum, reverse=True):
+                load, r = heapq.heappop(loads)
+                replicas[r].append(m)
+                heapq.heappush(loads, (load + sum(m), r))
+            # identical replicas take identical steps: each kind once
+            replicas = list({tuple(r): r for r in replicas}.values())
         tokens_mb = layout.seq_length // c
     pp_bytes = tokens_mb * model.hidden_size / layout.tp * cluster.bytes_per_element
     xfer = p2p_seconds(cluster, pp_bytes, grid.groups["pp"][0]) if layout.pp > 1 else 0.0

@@ -23,14 +23,21 @@ from ..config import (
 )
 from ..dynamic_cp.workload import GPTWorkload
 
-__all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "Batch", "ModelSpec", "Options",
+__all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "PLAN_MAX_VARLEN_GPUS",
+           "PLAN_MAX_VARLEN_SEQUENCES", "Batch", "ModelSpec", "Options",
            "PlanInputError", "load_model_file", "lognormal", "lognormal_spec"]
 
 PLAN_MAX_GPUS = 16384
-"""GPUs the planner estimates layouts for (every layout is estimated; measured: 1024 GPUs with a
-lognormal batch of 1024 sequences take ~30-50 s on a loaded 2-core VM)."""
+"""GPUs the planner estimates layouts for with a fixed-length batch (every layout is estimated;
+``benchmarks/input_limits.py``: 16384 GPUs take 48-60 s on the 2-core CI VM)."""
 PLAN_MAX_SEQUENCES = MAX_SEQUENCES
-"""Sequences in the planner's global batch (``--global-batch``, ``--lengths``)."""
+"""Sequences in the planner's fixed-length global batch (``--global-batch``)."""
+PLAN_MAX_VARLEN_GPUS = 4096
+PLAN_MAX_VARLEN_SEQUENCES = 512
+"""A batch of variable lengths (``--lengths``, ``--lognormal``) is scheduled and packed for
+every layout: its cost grows with layouts x sequences (measured: 4096 GPUs x 512 sequences
+49 s; 512 GPUs x 2048 sequences 79 s; 16384 GPUs x 256 sequences 114 s), so it is bounded at
+:data:`PLAN_MAX_VARLEN_GPUS` GPUs and :data:`PLAN_MAX_VARLEN_SEQUENCES` sequences."""
 
 
 class PlanInputError(ValueError):
@@ -217,7 +224,8 @@ _BOOL_FLAGS = {"--swiglu": "gated_mlp", "--untie-embeddings-and-output-weights":
 _BATCH_FLAGS = {"--seq-length": "seq_length", "--global-batch-size": "global_batch"}
 
 
-def _flags_from_file(path: str) -> dict[str, object]:
+def _flags_from_file(path: str) -> tuple[dict[str, object], bool]:
+    """The flags of a model file, and whether their values are typed (YAML) or text."""
     try:
         text = read_text(path, "--model", max_bytes=1 << 20)
     except InputFileError as err:
@@ -233,7 +241,7 @@ def _flags_from_file(path: str) -> dict[str, object]:
         if not isinstance(args, dict):
             raise PlanInputError(f"--model {path}: MODEL_ARGS must be a mapping of flags")
         return {str(k) if str(k).startswith("--") else "--" + str(k).replace("_", "-"): v
-                for k, v in args.items()}
+                for k, v in args.items()}, True
     flags: dict[str, object] = {}
     try:
         tokens = shlex.split(text, comments=True)
@@ -249,7 +257,7 @@ def _flags_from_file(path: str) -> dict[str, object]:
                 continue
             flags[tok] = True
         i += 1
-    return flags
+    return flags, False
 
 
 # flag -> parse_value kind (bounded counts, config.LIMITS)
@@ -263,15 +271,17 @@ def load_model_file(path: str) -> tuple[ModelSpec, dict[str, int]]:
     """A recipe ``model_config.yaml`` (``MODEL_ARGS``), a YAML mapping of megatron flags, or a
     text file of megatron flags -> the model, plus ``seq_length`` / ``global_batch`` if given.
     Flags the planner does not need are ignored (they do not change the estimate); the ones
-    it reads are parsed strictly, within the bounds of ``config.LIMITS``."""
-    flags = _flags_from_file(path)
+    it reads are parsed strictly, within the bounds of ``config.LIMITS`` (a YAML value is
+    typed: a quoted ``"32"`` is no number, ``maybe`` no boolean)."""
+    flags, typed = _flags_from_file(path)
     kwargs: dict[str, object] = {}
     batch: dict[str, int] = {}
     for flag, value in flags.items():
         target = _MODEL_FLAGS.get(flag) or _BATCH_FLAGS.get(flag)
         if target is not None:
             try:
-                number = parse_value(value, _KINDS[flag], f"--model {path}: {flag}")
+                number = parse_value(value, _KINDS[flag], f"--model {path}: {flag}",
+                                     text=not typed)
             except CPConfigError as err:
                 raise PlanInputError(str(err.violations[0])) from None
             if flag == "--global-batch-size" and number > PLAN_MAX_SEQUENCES:
@@ -279,7 +289,11 @@ def load_model_file(path: str) -> tuple[ModelSpec, dict[str, int]]:
                                      f"limit of {PLAN_MAX_SEQUENCES} sequences")
             (batch if flag in _BATCH_FLAGS else kwargs)[target] = number
         elif flag in _BOOL_FLAGS:
-            kwargs[_BOOL_FLAGS[flag]] = str(value).lower() not in ("false", "0", "no")
+            try:
+                kwargs[_BOOL_FLAGS[flag]] = True if value in (None, "") else parse_value(
+                    value, "bool", f"--model {path}: {flag}", text=not typed)
+            except CPConfigError as err:
+                raise PlanInputError(str(err.violations[0])) from None
     if "untie_embeddings" not in kwargs:
         kwargs["untie_embeddings"] = False  # megatron ties them unless told otherwise
     missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..atomic_write import save_figure
 from .estimate import Estimate, Layout
 
 __all__ = ["bridge_overrides", "dominant", "flag_notes", "megatron_flags", "plot_breakdown",
@@ -270,5 +273,5 @@ def plot_breakdown(ranked: list[Estimate], path: str, top: int) -> None:
     ax.set_title("step-time breakdown of the top layouts (best at the top)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, Path(path), dpi=100)
     plt.close(fig)

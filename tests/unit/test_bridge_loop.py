@@ -41,9 +41,11 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 
 # ------------------------------------------------------------------------------ on each rank
 def bridge_run(recipe: str, overrides: list[str], recipe_args: dict | None = None,
-               work_dir: str | None = None, hook: bool = True) -> dict:
+               work_dir: str | None = None, hook: bool = True,
+               model_fields: dict | None = None) -> dict:
     """Train ``recipe`` through Bridge's ``pretrain`` on this rank; the gathered history.
-    ``hook=False``: without megatron_hcp.bridge.install() (the CPU runtime stays)."""
+    ``hook=False``: without megatron_hcp.bridge.install() (the CPU runtime stays);
+    ``model_fields``: set on the built config's model, as a user's Python would."""
     from megatron_hcp.bridge.run import metrics_recorder, prepare_environment
 
     prepare_environment(cpu=True)
@@ -66,6 +68,8 @@ def bridge_run(recipe: str, overrides: list[str], recipe_args: dict | None = Non
         hcp_bridge.uninstall()
     cfg = build_bridge_config(recipe, recipe_args or {}, overrides, steps=STEPS,
                               work_dir=work_dir)
+    for name, value in (model_fields or {}).items():
+        setattr(cfg.model, name, value)
     recorder = metrics_recorder()
     try:
         pretrain(cfg, forward_step, callbacks=[recorder, KeepCollection()])
@@ -78,14 +82,15 @@ def bridge_run(recipe: str, overrides: list[str], recipe_args: dict | None = Non
 
 
 def bridge_refusal(recipe: str, overrides: list[str], recipe_args: dict | None = None,
-                   work_dir: str | None = None) -> tuple[str, list[str], int]:
+                   work_dir: str | None = None, model_fields: dict | None = None
+                   ) -> tuple[str, list[str], int]:
     """Run a config Bridge's loop must refuse: the error's type, the parameters it names, and
     how many process groups were created meanwhile (``torch.distributed``'s own count)."""
     from torch.distributed import distributed_c10d as c10d
 
     before = c10d._world.group_count
     try:
-        bridge_run(recipe, overrides, recipe_args, work_dir)
+        bridge_run(recipe, overrides, recipe_args, work_dir, model_fields=model_fields)
     except Exception as err:  # noqa: BLE001 - the error is the result
         names = [v.parameter for v in getattr(err, "violations", [])]
         return type(err).__name__, names, c10d._world.group_count - before
@@ -248,3 +253,17 @@ def test_bad_cp_configs_are_refused_on_every_rank_before_any_process_group(world
     for kind, names, groups_created in results:
         assert kind == "CPConfigError" and any(named in n for n in names), (kind, names)
         assert groups_created == 0, "a process group was created before the refusal"
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"context_parallel_size": "2"}, {"model.context_parallel_size"}),  # was a TypeError
+    ({"tensor_model_parallel_size": 2.0, "cp_comm_type": 5},  # every violation together
+     {"model.tensor_model_parallel_size", "model.cp_comm_type"}),
+])
+def test_bad_types_set_in_python_are_named_at_pretrains_entry(world, fields, named):
+    """A string size set on Bridge's config in Python: pretrain() refuses it by name on every
+    rank before Bridge's own config code (which divided by it) and before any process group."""
+    results = world.run(bridge_refusal, PRETRAIN, [], None, None, fields, timeout_s=600)
+    for kind, names, groups_created in results:
+        assert kind == "CPConfigError" and named <= set(names), (kind, names)
+        assert groups_created == 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+from ...atomic_write import save_figure
 from .compare import Comparison
 
 __all__ = ["plot_comparisons"]
@@ -45,5 +47,5 @@ def plot_comparisons(comparisons: Sequence[Comparison], path: str) -> None:
     ax.set_title("layout planner vs published runs")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, Path(path), dpi=100)
     plt.close(fig)
