@@ -404,12 +404,26 @@ def _plan_check(args: argparse.Namespace) -> Any:
         raise UsageError(_one_line(err)) from None
 
 
-def _recipes(args: argparse.Namespace) -> list[Any]:
-    """Load (and so validate) every named recipe before anything runs."""
+def _load_named_recipe(name: str, allow_env: list[str]) -> tuple[Any, str | None]:
+    """A recipe by name, and why it cannot run here (a Bridge recipe without Bridge) or None;
+    a missing or invalid recipe is a UsageError."""
     from .config import CPConfigError
     from .functional.bridge_recipe import BridgeRecipe, bridge_available
     from .functional.harness import recipe_dir
-    from .functional.recipe import list_recipes, load_recipe
+    from .functional.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(recipe_dir(name), allow_env=allow_env)
+    except FileNotFoundError as err:
+        raise UsageError(_one_line(err)) from None
+    except CPConfigError as err:
+        raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
+    return recipe, bridge_available() if isinstance(recipe, BridgeRecipe) else None
+
+
+def _recipes(args: argparse.Namespace) -> list[Any]:
+    """Load (and so validate) every named recipe before anything runs."""
+    from .functional.recipe import list_recipes
 
     names = args.names or (list_recipes() if args.functional_command == "compare" else [])
     if not names:
@@ -417,13 +431,7 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
     recipes = []
     args.skipped = []  # Bridge recipes of `compare` (all recipes) where Bridge is missing
     for name in names:
-        try:
-            recipe = load_recipe(recipe_dir(name), allow_env=args.allow_env)
-        except FileNotFoundError as err:
-            raise UsageError(_one_line(err)) from None
-        except CPConfigError as err:
-            raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
-        missing = bridge_available() if isinstance(recipe, BridgeRecipe) else None
+        recipe, missing = _load_named_recipe(name, args.allow_env)
         if missing and args.names:
             raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
         if missing:
@@ -489,20 +497,10 @@ def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
 
 def _audit_recipes(args: argparse.Namespace) -> list[Any]:
     """``functional audit``: every named recipe loaded and ``--rank`` checked against it."""
-    from .config import CPConfigError
-    from .functional.bridge_recipe import BridgeRecipe, bridge_available
-    from .functional.harness import recipe_dir
-    from .functional.recipe import load_recipe
 
     recipes = []
     for name in args.names:
-        try:
-            recipe = load_recipe(recipe_dir(name), allow_env=args.allow_env)
-        except FileNotFoundError as err:
-            raise UsageError(_one_line(err)) from None
-        except CPConfigError as err:
-            raise UsageError(f"invalid recipe {name!r}: {_one_line(err)}") from None
-        missing = bridge_available() if isinstance(recipe, BridgeRecipe) else None
+        recipe, missing = _load_named_recipe(name, args.allow_env)
         if missing:
             raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
         if args.rank is not None and args.rank >= recipe.nproc:

@@ -20,6 +20,7 @@ from megatron_hcp import cli
 from megatron_hcp.config import FIELD_KINDS, CPConfig, CPConfigError
 from megatron_hcp.functional.golden import GoldenError, compare, load_golden, to_golden
 from megatron_hcp.functional.harness import recipe_dir
+from tests.unit.test_strict_inputs import FILE_INPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "gpt3_mcore_tp1_pp1_cp4_p2p"
@@ -128,13 +129,8 @@ def _special(kind: str, where: Path) -> str:
     return str(path)
 
 
-FILE_READERS = {
-    "schedule --lengths": lambda f: ["schedule", "--dp-cp", "4", "--max-seqlen-per-rank", "64",
-                                     "--lengths", f],
-    "plan --lengths": lambda f: ["plan", *MODEL, "--lengths", f],
-    "plan --model": lambda f: ["plan", "--model", f, "--seq-length", "64", "--global-batch",
-                               "8"],
-}
+FILE_READERS = {k: FILE_INPUTS[k] for k in ("schedule --lengths", "plan --lengths",
+                                            "plan --model")}
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dir", "device", "loop"])
