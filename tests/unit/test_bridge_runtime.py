@@ -65,18 +65,23 @@ def test_import_only_stand_ins_import_and_nothing_else(stand_ins):
 
 @pytest.fixture(scope="module")
 def bridge_loop():
-    """Bridge's training modules imported (with the stand-ins), the CPU runtime reverted."""
+    """Bridge's training modules imported (with the stand-ins); the patches prepare_environment
+    applies to Bridge's code (its CPU runtime and the runtime patches of every device)
+    reverted, so each test starts from Bridge's own code."""
     if not REAL:
         pytest.skip("needs Megatron-Bridge 0.6.2 (Python 3.12 only; the py312 leg runs it)")
-    from megatron_hcp.bridge.cpu_runtime import revert_bridge_cpu_runtime
+    from megatron_hcp.bridge.cpu_runtime import BRIDGE_RUNTIME_PATCHES, revert_bridge_cpu_runtime
     from megatron_hcp.bridge.run import prepare_environment
+    from megatron_hcp.patching.registry import revert
 
     prepare_environment(cpu=True)
     revert_bridge_cpu_runtime()
+    revert(BRIDGE_RUNTIME_PATCHES)
     from megatron.bridge.training import initialize
 
     yield initialize
     revert_bridge_cpu_runtime()
+    revert(BRIDGE_RUNTIME_PATCHES)
 
 
 @needs_bridge
