@@ -27,6 +27,7 @@ from megatron_hcp.patching.forkpatch import (
     series_for,
 )
 from tests.unit._fork_worker import WORLD, train_with
+from tests.unit.test_patch_transactions import refused
 
 VERSIONS = sorted({v for p in ALL_PATCHES for v in p.versions})
 INSTALLED = megatron_core_version()
@@ -183,12 +184,6 @@ def test_crlf_files_stay_crlf_and_revert_gives_back_the_same_bytes(pristine, tmp
     assert snapshot(target) == before  # byte-identical, CRLF included
 
 
-def one_line_refusal(code: int, err: str, *words: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("refused: "), (code, err)
-    assert all(w in lines[0] for w in words), err
-
-
 def test_a_file_a_diff_changes_that_is_not_utf8_is_refused_before_any_write(
         pristine, tmp_path, capsys):
     target = tmp_path / "pkg"
@@ -202,7 +197,7 @@ def test_a_file_a_diff_changes_that_is_not_utf8_is_refused_before_any_write(
         before = snapshot(target)
         for command in ("check", "apply", "revert"):
             code = cli_main(["patch", command, "--target", str(target)])
-            one_line_refusal(code, capsys.readouterr().err, str(attention), "not UTF-8")
+            refused(code, capsys.readouterr().err, str(attention), "not UTF-8")
             assert snapshot(target) == before, (patched, command)
     assert not list((target / "megatron").glob(".megatron-hcp-patch.*"))
 
