@@ -485,7 +485,8 @@ def _launch(args: argparse.Namespace, recipes: list[Any]) -> Any:
     from .functional.launch import Launch, LaunchError, default_platform, require_runnable
 
     launch = Launch(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                    master_port=args.master_port, platform=args.platform or default_platform())
+                    master_port=args.master_port, platform=args.platform or default_platform(),
+                    launcher=args.launcher)
     try:
         require_runnable(launch.platform)
         for recipe in recipes:
@@ -571,7 +572,7 @@ def _functional(args: argparse.Namespace) -> int:
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's node flags and the platform (golden file and backend)."""
     from .config import MAX_RANKS
-    from .functional.launch import PLATFORMS
+    from .functional.launch import LAUNCHERS, PLATFORMS
 
     p.add_argument("--nnodes", type=_typed("int", minimum=1, maximum=MAX_RANKS), default=1)
     p.add_argument("--node-rank", type=_typed("int", minimum=0, maximum=MAX_RANKS), default=0)
@@ -582,6 +583,10 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--platform", choices=list(PLATFORMS), default=None,
                    help="golden file golden_values_dev_<platform>.json and backend (default: "
                         "the detected one where the trainer runs on it, else cpu_gloo)")
+    p.add_argument("--launcher", choices=list(LAUNCHERS), default="torchrun",
+                   help="torchrun (default: fresh interpreters, any node layout) or forkserver "
+                        "(one CPU node: ranks forked after torch and megatron-core are imported "
+                        "once, several times faster for short runs)")
 
 
 class _Sizes(argparse.Action):

@@ -34,9 +34,9 @@ from typing import Any
 
 from .group_release import release_destroyed_groups
 
-__all__ = ["LocalWorld", "RankError"]
+__all__ = ["LocalWorld", "PRELOAD", "RankError", "environment"]
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "einops", "megatron.core"]
 
 
 # kinds of rank errors that follow another rank's failure (waited, died, released by a world
@@ -129,7 +129,7 @@ def _close_open_worlds() -> None:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     """``os.environ`` with ``values`` set while processes start (restored after)."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
@@ -177,7 +177,7 @@ class LocalWorld:
         self.daemon = daemon
         self.timeout_s = timeout_s
         self.env = dict(env or {})
-        self.preload = _PRELOAD if preload is None else preload
+        self.preload = PRELOAD if preload is None else preload
         # "spawn" gives ranks a fresh interpreter: the forkserver is shared by every world of
         # a process and keeps the modules it preloaded first (and the environment it started
         # with: gloo worlds start it with the GPUs hidden)
@@ -227,7 +227,7 @@ class LocalWorld:
         ]
         if not self.daemon:
             _OPEN.add(self)
-        with _environment(env if self.backend == "gloo" else {}):  # a forkserver started
+        with environment(env if self.backend == "gloo" else {}):  # a forkserver started
             for proc in self._procs:  # now sees what the ranks see
                 proc.start()
         return self

@@ -55,17 +55,16 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
     """Train ``recipe`` on ``recipe.nproc`` ranks; return rank 0's per-step metrics (``{}`` on
     a node other than node 0, which has no rank 0)."""
     launch = launch or Launch()
+    launch.validate(recipe.nproc)
     with tempfile.TemporaryDirectory(prefix="megatron-hcp-") as tmp:
         out = Path(tmp) / "metrics.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run",
-               *launch.torchrun_args(recipe.nproc), "-m", recipe.worker,
-               str(recipe.path), "--out", str(out), "--platform", launch.platform,
-               *recipe.worker_args(tmp)]
+        args = [str(recipe.path), "--out", str(out), "--platform", launch.platform,
+                *recipe.worker_args(tmp)]
         if steps:
-            cmd += ["--steps", str(steps)]
+            args += ["--steps", str(steps)]
         if cp1:
-            cmd.append("--cp1")
-        cmd += extra or []
+            args.append("--cp1")
+        args += extra or []
         # a CPU run's ranks see no GPU: nothing in them (torch's own probes included) can
         # initialize CUDA on a machine that has it
         hidden = {"CUDA_VISIBLE_DEVICES": ""} if launch.platform == "cpu_gloo" else {}
@@ -73,19 +72,18 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
                "MASTER_ADDR": launch.master_addr, **recipe.env, **hidden}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        log: list[str] = []
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) as proc:
-            assert proc.stdout is not None
-            try:
-                for line in proc.stdout:
-                    log.append(line)
-                    if echo is not None and line.startswith("[") and "] step " in line:
-                        echo(line.rstrip())
-            except KeyboardInterrupt:  # Ctrl-C: torchrun stops its ranks, then we go
-                _stop(proc)
-                raise
-            code = proc.wait()
+
+        def show(line: str) -> None:
+            if echo is not None and line.startswith("[") and "] step " in line:
+                echo(line.rstrip())
+
+        if launch.launcher == "forkserver":
+            from .forked import run_forked
+
+            code, log = run_forked(recipe.worker, args, recipe.nproc, env,
+                                   master_addr=launch.master_addr, on_line=show)
+        else:
+            code, log = _torchrun(recipe, launch, args, env, show)
         if code == 0 and not launch.checks_results:
             return {}
         if code != 0 or not out.is_file():
@@ -98,6 +96,25 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
                                  f"code {code}; last lines:\n{tail}")
         raw = read_json(out, "rank 0's metrics", finite=False)  # a diverged run has NaN
     return {name: {int(k): float(v) for k, v in values.items()} for name, values in raw.items()}
+
+
+def _torchrun(recipe: Recipe, launch: Launch, args: list[str], env: dict[str, str],
+              show: Callable[[str], None]) -> tuple[int, list[str]]:
+    """``torchrun ... -m <worker> args``: its exit code and output lines."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(recipe.nproc),
+           "-m", recipe.worker, *args]
+    log: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                log.append(line)
+                show(line)
+        except KeyboardInterrupt:  # Ctrl-C: torchrun stops its ranks, then we go
+            _stop(proc)
+            raise
+        return proc.wait(), log
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:

@@ -17,12 +17,15 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "MAX_RANKS_PER_NODE", "Launch", "LaunchError", "PLATFORMS",
+__all__ = ["BACKENDS", "LAUNCHERS", "MAX_RANKS_PER_NODE", "Launch", "LaunchError", "PLATFORMS",
            "default_platform", "detect_platform", "require_runnable"]
 
 BACKENDS = {"cpu_gloo": "gloo", "gpu_nccl": "nccl"}
 MAX_RANKS_PER_NODE = 64  # processes torchrun starts on one node
 PLATFORMS = tuple(BACKENDS)
+# torchrun: fresh interpreters (any node layout, any platform); forkserver: ranks forked from
+# a process that has imported torch and megatron-core (one CPU node; see functional.forked)
+LAUNCHERS = ("torchrun", "forkserver")
 
 
 class LaunchError(ValueError):
@@ -77,6 +80,7 @@ class Launch:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     platform: str = "cpu_gloo"
+    launcher: str = "torchrun"
 
     @property
     def backend(self) -> str:
@@ -92,6 +96,16 @@ class Launch:
         if self.platform not in BACKENDS:
             raise LaunchError(f"--platform {self.platform}: must be one of "
                               f"{', '.join(PLATFORMS)}; pass one of them")
+        if self.launcher not in LAUNCHERS:
+            raise LaunchError(f"--launcher {self.launcher}: must be one of "
+                              f"{', '.join(LAUNCHERS)}; pass one of them")
+        if self.launcher == "forkserver" and (self.platform != "cpu_gloo" or self.nnodes != 1
+                                              or self.master_port is not None):
+            raise LaunchError(
+                f"--launcher forkserver with --platform {self.platform}, --nnodes "
+                f"{self.nnodes}, --master-port {self.master_port}: forked ranks run on one "
+                "CPU node (cpu_gloo, --nnodes 1, a port of their own; a forked process cannot "
+                "initialize CUDA); use --launcher torchrun")
         if self.nnodes < 1 or nproc % self.nnodes:
             raise LaunchError(f"--nnodes {self.nnodes}: must divide the recipe's {nproc} ranks; "
                               f"use a divisor of {nproc}")

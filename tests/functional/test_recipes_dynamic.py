@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional._check import CP1_RUNS, assert_recipe_passes
+from tests.functional._check import CP1_RUNS, LAUNCH, assert_recipe_passes
 
 HCP_RECIPE = "gpt3_mcore_tp1_pp1_cp8_dcp_a2a_p2p"  # checked by its own test below
 RECIPES = ["gpt3_mcore_tp1_pp2_vpp2_cp2_dcp", "gpt3_mcore_tp2_pp1_cp4_a2a_p2p_decentralized_pg",
@@ -21,7 +21,7 @@ def test_dynamic_hcp_recipe_runs_hierarchical_groups():
     (a2a 2 x p2p 4), and hierarchical groups run in every step; it equals golden and CP=1."""
     from megatron_hcp.functional.harness import check_recipe
 
-    result = check_recipe(HCP_RECIPE, echo=None, cp1_cache=CP1_RUNS)
+    result = check_recipe(HCP_RECIPE, echo=None, cp1_cache=CP1_RUNS, launch=LAUNCH)
     assert result.passed, "\n".join(result.lines)
     largest, hierarchical = (result.metrics["max-cp-group-size"],
                              result.metrics["hierarchical-cp-groups"])

@@ -43,6 +43,11 @@ def test_multi_node_launch_passes_torchruns_node_flags():
     (Launch(nnodes=2, master_port=29500), ["--master-addr 127.0.0.1", "loopback"]),
     (Launch(master_port=70000), ["--master-port 70000", "1..65535"]),
     (Launch(platform="tpu"), ["--platform tpu", "cpu_gloo"]),
+    (Launch(launcher="mpirun"), ["--launcher mpirun", "torchrun, forkserver"]),
+    (Launch(launcher="forkserver", platform="gpu_nccl"), ["--platform gpu_nccl", "one CPU node"]),
+    (Launch(launcher="forkserver", nnodes=2, master_addr="h", master_port=1),
+     ["--nnodes 2", "--launcher torchrun"]),
+    (Launch(launcher="forkserver", master_port=29500), ["--master-port 29500", "own"]),
 ])
 def test_bad_launch_settings_are_one_clear_line(launch, words):
     with pytest.raises(LaunchError) as err:
@@ -65,6 +70,7 @@ def test_platform_detection():
     (["--nnodes", "3", "--master-addr", "h", "--master-port", "1"], ["--nnodes 3", "divide"]),
     (["--platform", "gpu_nccl"], ["--platform gpu_nccl", "cpu_gloo"]),
     (["--nnodes", "2", "--master-addr", "h"], ["--master-port", "required"]),
+    (["--launcher", "forkserver", "--master-port", "29500"], ["--launcher forkserver", "own"]),
 ])
 @pytest.mark.parametrize("command", ["run", "update-golden"])
 def test_cli_refuses_bad_launch_before_any_rank(command, extra, words, capsys):
@@ -78,6 +84,8 @@ def test_cli_builds_the_launch():
                             "--master-addr", "10.1.2.3", "--master-port", "29501",
                             "--platform", "cpu_gloo"])
     assert args.launch == Launch(2, 1, "10.1.2.3", 29501, "cpu_gloo")
+    assert parse_and_check(["functional", "run", RECIPE, "--launcher", "forkserver"]
+                           ).launch.launcher == "forkserver"
     assert parse_and_check(["functional", "compare", RECIPE]).launch.master_addr == "127.0.0.1"
 
 

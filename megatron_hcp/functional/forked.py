@@ -1,0 +1,131 @@
+"""The ``forkserver`` launcher of a recipe run: torchrun's job on one CPU node, with the ranks
+forked from a server that has already imported torch and megatron-core.
+
+torchrun starts each rank as a fresh interpreter, and importing torch and megatron-core costs
+several CPU-seconds per rank; on a small CPU machine that is most of a short recipe's time.
+Here the ranks are forked from :mod:`multiprocessing`'s forkserver (shared by every world of
+this process, see :mod:`megatron_hcp.local_world`), so each run still gets fresh processes but
+the imports are paid once per process. Each rank sees what torchrun would give it (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store this process owns)
+and runs the same ``main(argv)`` of the worker module; its output goes to a log that the
+caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail stops the others,
+as torchrun does. CPU (gloo) runs on one node only: a forked process cannot initialize CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+from ..local_world import PRELOAD, environment
+
+__all__ = ["run_forked"]
+
+_GRACE_S = 5.0  # how long the other ranks may finish after one failed
+
+
+def _rank_main(module: str, argv: list[str], env: dict[str, str], log: str,
+               path: list[str]) -> None:
+    """One rank: its output to ``log``, torchrun's environment, ``module.main(argv)``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    os.environ.update(env)
+    for entry in reversed(path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # set before torch's import
+    sys.argv = [module, *argv]
+    code = importlib.import_module(module).main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code or 0)
+
+
+def _new_lines(log: Path, start: int = 0) -> tuple[list[str], int]:
+    """The complete lines of ``log`` from byte ``start``, and the offset after them."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(start)
+            data = fh.read()
+    except OSError:
+        return [], start
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode("utf-8", errors="replace").splitlines(), start + end
+
+
+def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
+               master_addr: str = "127.0.0.1", timeout_s: float = 3600.0,
+               on_line: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
+    """Run ``python -m module *argv`` as ``nproc`` ranks of one CPU node (``env``: each rank's
+    environment on top of this process's); return the exit code (0, else the first failed
+    rank's) and every rank's output lines (``[rankN]: ...``). ``on_line`` sees rank 0's lines
+    as they come."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # kept by a forkserver this process already started
+    store = dist.TCPStore(master_addr, 0, nproc, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    rank_env = {**env, "MASTER_ADDR": master_addr, "MASTER_PORT": str(store.port),
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                # every rank joins the store above as a client, as torchrun's ranks join its
+                # agent's store (torch.distributed.rendezvous reads this)
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with tempfile.TemporaryDirectory(prefix="megatron-hcp-ranks-") as tmp:
+        logs = [Path(tmp) / f"rank{r}.log" for r in range(nproc)]
+        procs = [ctx.Process(target=_rank_main, daemon=False, args=(
+            module, argv, {**rank_env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(logs[r]),
+            list(sys.path))) for r in range(nproc)]
+        # a forkserver started now keeps this environment (the ranks' own, GPUs hidden)
+        with environment({k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES",
+                                                                 "OMP_NUM_THREADS")}):
+            for proc in procs:
+                proc.start()
+        code = _wait(procs, logs[0], timeout_s, on_line)
+        lines = [f"[rank{r}]: {line}\n" for r, log in enumerate(logs)
+                 for line in _new_lines(log)[0]]
+    del store
+    return code, lines
+
+
+def _wait(procs: list, log0: Path, timeout_s: float,
+          on_line: Callable[[str], None] | None) -> int:
+    """Wait for every rank, showing rank 0's lines; stop the rest ``_GRACE_S`` after the first
+    failure, or all at the deadline. Returns the exit code (a signal N as 128 + N)."""
+    deadline = time.monotonic() + timeout_s
+    shown, failed_at, code = 0, None, 0
+    while True:
+        codes = [p.exitcode for p in procs]
+        if on_line is not None:
+            lines, shown = _new_lines(log0, shown)
+            for line in lines:
+                on_line(line)
+        if all(c is not None for c in codes):
+            break
+        bad = [c for c in codes if c not in (None, 0)]
+        if bad and failed_at is None:
+            failed_at, code = time.monotonic(), bad[0]
+        now = time.monotonic()
+        if (failed_at is not None and now - failed_at > _GRACE_S) or now > deadline:
+            code = code or 124  # the deadline, as timeout(1) reports it
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+    code = code or next((c for c in codes if c), 0)
+    return 128 - code if code < 0 else code

@@ -1,0 +1,58 @@
+"""The forkserver launcher (``--launcher forkserver``): ranks forked from a process that has
+imported torch and megatron-core get torchrun's environment, train a recipe exactly as
+torchrun's ranks do, and fail like torchrun (the first failure stops the others, its rank
+named)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_hcp.functional.forked import run_forked
+from megatron_hcp.functional.harness import recipe_dir, run_recipe
+from megatron_hcp.functional.launch import Launch
+from megatron_hcp.functional.recipe import load_recipe
+
+TARGET = "tests.unit._forked_target"
+ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_ranks_get_torchruns_environment_and_rank_0s_lines_come_live():
+    live: list[str] = []
+    code, lines = run_forked(TARGET, ["ok"], 3, ENV, on_line=live.append)
+    assert code == 0, lines
+    for r in range(3):
+        assert (f"[rank{r}]: rank={r} world=3 local={r} addr=127.0.0.1 cuda='' threads=1 "
+                "argv=['ok']\n") in lines, lines
+        assert f"[rank{r}]: sum=3\n" in lines, lines
+    assert live == ["rank=0 world=3 local=0 addr=127.0.0.1 cuda='' threads=1 argv=['ok']",
+                    "sum=3"]
+
+
+def test_the_exit_code_of_main_is_the_runs():
+    assert run_forked(TARGET, ["exit-3"], 2, ENV)[0] == 3
+
+
+def test_a_failing_rank_stops_the_others_and_is_named():
+    start = time.monotonic()
+    code, lines = run_forked(TARGET, ["fail-on", "1"], 3, ENV, timeout_s=300)
+    assert code == 1
+    assert "[rank1]: ValueError: rank 1 planted\n" in lines, lines
+    assert not any(line.startswith("[rank0]: sum=") for line in lines), lines
+    assert time.monotonic() - start < 60  # stopped after the grace period, not the deadline
+
+
+def test_the_deadline_stops_every_rank():
+    start = time.monotonic()
+    code, _ = run_forked(TARGET, ["sleep", "120"], 2, ENV, timeout_s=2)
+    assert code == 124 and time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("cp1", [False, True])
+def test_both_launchers_train_a_recipe_bit_for_bit_alike(cp1):
+    recipe = load_recipe(recipe_dir("gpt3_mcore_tp1_pp1_cp4_p2p"))
+    runs = [run_recipe(recipe, steps=3, cp1=cp1, echo=None, launch=Launch(launcher=launcher))
+            for launcher in ("torchrun", "forkserver")]
+    for name in ("lm loss", "grad norm", "num-zeros", "micro-batches"):
+        assert runs[0][name] == runs[1][name] and len(runs[0][name]) == 3, name
