@@ -244,19 +244,21 @@ def _parse_diff(body: str) -> list[_FileDiff]:
     return out
 
 
-_NEWLINES = ("\r\n", "\n", "\r")
 _REVERSED = {" ": " ", "-": "+", "+": "-"}
 
 
 def _eol(line: str) -> str:
     """The line break ending ``line`` (LF, CRLF or CR), else ''."""
-    return next((e for e in _NEWLINES if line.endswith(e)), "")
+    if line.endswith("\n"):
+        return "\r\n" if line.endswith("\r\n") else "\n"
+    return "\r" if line.endswith("\r") else ""
 
 
 def _key(line: str) -> str:
     """``line`` as compared with a diff's: its line break, whichever, as LF."""
-    eol = _eol(line)
-    return line[:-len(eol)] + "\n" if eol else line
+    if line.endswith("\r\n"):
+        return line[:-2] + "\n"
+    return line[:-1] + "\n" if line.endswith("\r") else line
 
 
 def _lines(text: str) -> list[str]:
