@@ -83,10 +83,23 @@ def train_bridge_recipe(recipe: Any, platform: str, work_dir: str, *, steps: int
     return recorder.history
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> Any:
     parser = worker_parser()
     parser.add_argument("--work-dir", required=True)  # generated data, the base checkpoint
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def prefork(argv: list[str]) -> None:
+    """Once before the ranks are forked (``--launcher forkserver``): Bridge's imports, stand-ins
+    and patches, which each rank's :func:`main` would otherwise repeat (15 CPU-s a rank)."""
+    if _parser().parse_args(argv).platform == "cpu_gloo":
+        from ..bridge.run import prepare_environment
+
+        prepare_environment(cpu=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = _parser().parse_args(argv)
 
     import torch.distributed as dist
 

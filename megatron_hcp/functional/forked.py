@@ -10,6 +10,10 @@ the imports are paid once per process. Each rank sees what torchrun would give i
 and runs the same ``main(argv)`` of the worker module; its output goes to a log that the
 caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail stops the others,
 as torchrun does. CPU (gloo) runs on one node only: a forked process cannot initialize CUDA.
+
+The ranks of one run are forked by a *zygote*, itself forked from the forkserver: it runs the
+worker module's optional ``prefork(argv)`` once (work every rank would repeat, such as Bridge's
+imports, which cost 15 CPU-seconds per rank), then forks the ranks and watches them.
 """
 
 from __future__ import annotations
@@ -17,41 +21,20 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from ..local_world import PRELOAD, environment
 
 __all__ = ["run_forked"]
 
 _GRACE_S = 5.0  # how long the other ranks may finish after one failed
-
-
-def _rank_main(module: str, argv: list[str], env: dict[str, str], log: str,
-               path: list[str]) -> None:
-    """One rank: its output to ``log``, torchrun's environment, ``module.main(argv)``."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
-    os.environ.update(env)
-    for entry in reversed(path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    import torch
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # set before torch's import
-    sys.argv = [module, *argv]
-    code = importlib.import_module(module).main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code or 0)
 
 
 def _new_lines(log: Path, start: int = 0) -> tuple[list[str], int]:
@@ -71,8 +54,8 @@ def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
                on_line: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
     """Run ``python -m module *argv`` as ``nproc`` ranks of one CPU node (``env``: each rank's
     environment on top of this process's); return the exit code (0, else the first failed
-    rank's) and every rank's output lines (``[rankN]: ...``). ``on_line`` sees rank 0's lines
-    as they come."""
+    rank's) and every rank's output lines (``[rankN]: ...``). ``on_line`` sees the ranks'
+    lines as they come."""
     import torch.distributed as dist
 
     ctx = mp.get_context("forkserver")
@@ -85,34 +68,110 @@ def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
                 # agent's store (torch.distributed.rendezvous reads this)
                 "TORCHELASTIC_USE_AGENT_STORE": "True"}
     with tempfile.TemporaryDirectory(prefix="megatron-hcp-ranks-") as tmp:
-        logs = [Path(tmp) / f"rank{r}.log" for r in range(nproc)]
-        procs = [ctx.Process(target=_rank_main, daemon=False, args=(
-            module, argv, {**rank_env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(logs[r]),
-            list(sys.path))) for r in range(nproc)]
+        logs = [str(Path(tmp) / f"rank{r}.log") for r in range(nproc)]
+        own = str(Path(tmp) / "launcher.log")
+        zygote = ctx.Process(target=_zygote, daemon=False, args=(
+            module, argv, rank_env, logs, own, list(sys.path), timeout_s))
         # a forkserver started now keeps this environment (the ranks' own, GPUs hidden)
         with environment({k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES",
                                                                  "OMP_NUM_THREADS")}):
-            for proc in procs:
-                proc.start()
-        code = _wait(procs, logs[0], timeout_s, on_line)
-        lines = [f"[rank{r}]: {line}\n" for r, log in enumerate(logs)
-                 for line in _new_lines(log)[0]]
+            zygote.start()
+        shown, deadline = [0] * nproc, time.monotonic() + timeout_s + 60  # the zygote's first
+        while zygote.exitcode is None and time.monotonic() < deadline:
+            shown = _show(logs, shown, on_line)
+            zygote.join(0.2)
+        if zygote.exitcode is None:  # the zygote itself hangs: stop it and every rank
+            with _quiet():
+                os.killpg(zygote.pid, signal.SIGKILL)
+            zygote.join()
+        _show(logs, shown, on_line)
+        code = zygote.exitcode
+        lines = [f"[{name}]: {line}\n" for name, log in
+                 [*((f"rank{r}", log) for r, log in enumerate(logs)), ("launcher", own)]
+                 for line in _new_lines(Path(log))[0]]
     del store
-    return code, lines
+    return (128 - code if code < 0 else code), lines
 
 
-def _wait(procs: list, log0: Path, timeout_s: float,
-          on_line: Callable[[str], None] | None) -> int:
-    """Wait for every rank, showing rank 0's lines; stop the rest ``_GRACE_S`` after the first
-    failure, or all at the deadline. Returns the exit code (a signal N as 128 + N)."""
+def _show(logs: list[str], shown: list[int], on_line: Callable[[str], None] | None
+          ) -> list[int]:
+    """Pass the new complete lines of every rank's log to ``on_line`` (as torchrun shows every
+    rank's output); the new offsets."""
+    if on_line is None:
+        return shown
+    out = []
+    for log, start in zip(logs, shown):
+        lines, end = _new_lines(Path(log), start)
+        for line in lines:
+            on_line(line)
+        out.append(end)
+    return out
+
+
+class _quiet:
+    """Ignore the error of signalling a process group that has already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, *rest) -> bool:
+        return kind is not None and issubclass(kind, ProcessLookupError)
+
+
+def _zygote(module: str, argv: list[str], env: dict[str, str], logs: list[str], own: str,
+            path: list[str], timeout_s: float) -> None:
+    """Run the worker's ``prefork(argv)`` once, fork one rank per log, wait for them (see
+    :func:`_wait`); exit with the run's code. Its process group holds the ranks."""
+    os.setpgid(0, 0)
+    _redirect(own)
+    for entry in reversed(path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    os.environ.update(env)
+    worker = importlib.import_module(module)
+    prefork = getattr(worker, "prefork", None)
+    if prefork is not None:
+        prefork(argv)
+    ctx = mp.get_context("fork")  # no thread runs here: a plain fork of this process
+    procs = [ctx.Process(target=_rank_main, daemon=False, args=(
+        worker, argv, {"RANK": str(r), "LOCAL_RANK": str(r)}, log))
+        for r, log in enumerate(logs)]
+    for proc in procs:
+        proc.start()
+    sys.exit(_wait(procs, timeout_s))
+
+
+def _redirect(log: str) -> None:
+    """This process's stdout and stderr to ``log`` (line-buffered)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+
+
+def _rank_main(worker: Any, argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank: its output to ``log``, its rank variables, ``worker.main(argv)``."""
+    _redirect(log)
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch is imported
+    sys.argv = [worker.__name__, *argv]
+    code = worker.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code or 0)
+
+
+def _wait(procs: list, timeout_s: float) -> int:
+    """Wait for every rank; stop the rest ``_GRACE_S`` after the first failure, or all at the
+    deadline. Returns the exit code (the first failure's; a signal N as 128 + N)."""
     deadline = time.monotonic() + timeout_s
-    shown, failed_at, code = 0, None, 0
+    failed_at, code = None, 0
     while True:
         codes = [p.exitcode for p in procs]
-        if on_line is not None:
-            lines, shown = _new_lines(log0, shown)
-            for line in lines:
-                on_line(line)
         if all(c is not None for c in codes):
             break
         bad = [c for c in codes if c not in (None, 0)]

@@ -7,6 +7,13 @@ import sys
 import time
 
 
+def prefork(argv: list[str]) -> None:
+    """Runs once, in the process the ranks are forked from."""
+    os.environ["PREFORK_PID"] = str(os.getpid())
+    if argv[0] == "fail-prefork":
+        raise RuntimeError("prefork planted")
+
+
 def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
@@ -20,6 +27,7 @@ def main(argv: list[str]) -> int:
     print(f"rank={rank} world={dist.get_world_size()} local={os.environ['LOCAL_RANK']} "
           f"addr={os.environ['MASTER_ADDR']} cuda={os.environ.get('CUDA_VISIBLE_DEVICES')!r} "
           f"threads={torch.get_num_threads()} argv={sys.argv[1:]}", flush=True)
+    print(f"prefork={os.environ['PREFORK_PID']} pid={os.getpid()}", flush=True)
     if action == "fail-on" and rank == int(argv[1]):
         raise ValueError(f"rank {rank} planted")
     dist.barrier()  # a failed rank never joins: the others wait until the launcher stops them

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from megatron_hcp.functional.forked import run_forked
 from megatron_hcp.functional.harness import recipe_dir, run_recipe
 from megatron_hcp.functional.launch import Launch
@@ -18,7 +16,7 @@ TARGET = "tests.unit._forked_target"
 ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_ranks_get_torchruns_environment_and_rank_0s_lines_come_live():
+def test_ranks_get_torchruns_environment_and_their_lines_come_live():
     live: list[str] = []
     code, lines = run_forked(TARGET, ["ok"], 3, ENV, on_line=live.append)
     assert code == 0, lines
@@ -26,8 +24,17 @@ def test_ranks_get_torchruns_environment_and_rank_0s_lines_come_live():
         assert (f"[rank{r}]: rank={r} world=3 local={r} addr=127.0.0.1 cuda='' threads=1 "
                 "argv=['ok']\n") in lines, lines
         assert f"[rank{r}]: sum=3\n" in lines, lines
-    assert live == ["rank=0 world=3 local=0 addr=127.0.0.1 cuda='' threads=1 argv=['ok']",
-                    "sum=3"]
+    assert sorted(live) == sorted(line.split(": ", 1)[1].rstrip("\n") for line in lines
+                                  if line.startswith("[rank")) and len(live) == 9, live
+    # prefork ran once, in the process the ranks were forked from
+    pids = [line.split()[1:] for line in lines if " prefork=" in line]
+    assert len(pids) == 3 and len({p[0] for p in pids}) == 1, pids
+    assert pids[0][0].replace("prefork", "pid") not in {p[1] for p in pids}
+
+
+def test_a_failing_prefork_is_the_runs_failure_and_shown():
+    code, lines = run_forked(TARGET, ["fail-prefork"], 2, ENV)
+    assert code == 1 and "[launcher]: RuntimeError: prefork planted\n" in lines, lines
 
 
 def test_the_exit_code_of_main_is_the_runs():
@@ -49,10 +56,9 @@ def test_the_deadline_stops_every_rank():
     assert code == 124 and time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("cp1", [False, True])
-def test_both_launchers_train_a_recipe_bit_for_bit_alike(cp1):
+def test_both_launchers_train_a_recipe_bit_for_bit_alike():
     recipe = load_recipe(recipe_dir("gpt3_mcore_tp1_pp1_cp4_p2p"))
-    runs = [run_recipe(recipe, steps=3, cp1=cp1, echo=None, launch=Launch(launcher=launcher))
+    runs = [run_recipe(recipe, steps=3, echo=None, launch=Launch(launcher=launcher))
             for launcher in ("torchrun", "forkserver")]
     for name in ("lm loss", "grad norm", "num-zeros", "micro-batches"):
         assert runs[0][name] == runs[1][name] and len(runs[0][name]) == 3, name

@@ -84,7 +84,8 @@ def test_the_wheel_checks_a_megatron_tree(wheel_env, tmp_path):
 
 def test_the_wheel_runs_a_recipe(wheel_env):
     bin_dir, work = wheel_env
+    # forked ranks: the imports once (torchrun's ranks: test_forked_launch, bit for bit alike)
     run = _run([str(bin_dir / "megatron-hcp"), "functional", "run",
-                "gpt3_mcore_tp1_pp1_cp4_a2a"], cwd=work, timeout=900)
+                "gpt3_mcore_tp1_pp1_cp4_a2a", "--launcher", "forkserver"], cwd=work, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASS" in run.stdout and "CP invariance: PASS" in run.stdout, run.stdout[-3000:]
