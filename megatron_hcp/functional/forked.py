@@ -18,6 +18,7 @@ imports, which cost 15 CPU-seconds per rank), then forks the ranks and watches t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -77,13 +78,15 @@ def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
                                                                  "OMP_NUM_THREADS")}):
             zygote.start()
         shown, deadline = [0] * nproc, time.monotonic() + timeout_s + 60  # the zygote's first
-        while zygote.exitcode is None and time.monotonic() < deadline:
-            shown = _show(logs, shown, on_line)
-            zygote.join(0.2)
-        if zygote.exitcode is None:  # the zygote itself hangs: stop it and every rank
-            with _quiet():
-                os.killpg(zygote.pid, signal.SIGKILL)
-            zygote.join()
+        try:
+            while zygote.exitcode is None and time.monotonic() < deadline:
+                shown = _show(logs, shown, on_line)
+                zygote.join(0.2)
+        finally:  # the zygote hangs, or Ctrl-C here: stop it and every rank
+            if zygote.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):  # the group has gone meanwhile
+                    os.killpg(zygote.pid, signal.SIGKILL)
+                zygote.join()
         _show(logs, shown, on_line)
         code = zygote.exitcode
         lines = [f"[{name}]: {line}\n" for name, log in
@@ -106,16 +109,6 @@ def _show(logs: list[str], shown: list[int], on_line: Callable[[str], None] | No
             on_line(line)
         out.append(end)
     return out
-
-
-class _quiet:
-    """Ignore the error of signalling a process group that has already gone."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, *rest) -> bool:
-        return kind is not None and issubclass(kind, ProcessLookupError)
 
 
 def _zygote(module: str, argv: list[str], env: dict[str, str], logs: list[str], own: str,

@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
 
     action = argv[0]
     if action == "sleep":
+        print(f"pid={os.getpid()}", flush=True)
         time.sleep(float(argv[1]))
         return 0
     dist.init_process_group("gloo")

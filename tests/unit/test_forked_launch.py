@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from megatron_hcp.functional.forked import run_forked
 from megatron_hcp.functional.harness import recipe_dir, run_recipe
 from megatron_hcp.functional.launch import Launch
@@ -62,3 +64,29 @@ def test_both_launchers_train_a_recipe_bit_for_bit_alike():
             for launcher in ("torchrun", "forkserver")]
     for name in ("lm loss", "grad norm", "num-zeros", "micro-batches"):
         assert runs[0][name] == runs[1][name] and len(runs[0][name]) == 3, name
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (absent, or a zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_while_waiting_stops_every_rank():
+    pids: list[int] = []
+
+    def interrupt(line: str) -> None:
+        pids.append(int(line.split("=")[1]))
+        if len(pids) == 2:
+            raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_forked(TARGET, ["sleep", "120"], 2, ENV, on_line=interrupt)
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids) and time.monotonic() - start < 60, pids
