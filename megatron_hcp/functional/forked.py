@@ -162,7 +162,7 @@ def _wait(procs: list, timeout_s: float) -> int:
     """Wait for every rank; stop the rest ``_GRACE_S`` after the first failure, or all at the
     deadline. Returns the exit code (the first failure's; a signal N as 128 + N)."""
     deadline = time.monotonic() + timeout_s
-    failed_at, code = None, 0
+    failed_at, code, stopped = None, 0, False
     while True:
         codes = [p.exitcode for p in procs]
         if all(c is not None for c in codes):
@@ -171,8 +171,9 @@ def _wait(procs: list, timeout_s: float) -> int:
         if bad and failed_at is None:
             failed_at, code = time.monotonic(), bad[0]
         now = time.monotonic()
-        if (failed_at is not None and now - failed_at > _GRACE_S) or now > deadline:
-            code = code or 124  # the deadline, as timeout(1) reports it
+        if not stopped and ((failed_at is not None and now - failed_at > _GRACE_S)
+                            or now > deadline):
+            stopped, code = True, code or 124  # the deadline, as timeout(1) reports it
             for p in procs:
                 if p.exitcode is None:
                     p.kill()
