@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -79,6 +80,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # what the forkserver preloaded (torch, megatron-core) lives as long as the process: out of
+    # the collector's sight, every collection (automatic, or megatron's and Bridge's explicit
+    # gc.collect() after each run) no longer walks those millions of objects
+    gc.freeze()
     # a rank that does not answer in time writes every thread's stack (see LocalWorld.run)
     stack_file = open(stack_path, "w", encoding="utf-8")  # noqa: SIM115 - the process's life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

@@ -81,8 +81,11 @@ def _make_warmup_keeps_cpu_rng(original):
         """Bridge's, with the CPU generator's state restored afterwards: on a GPU its random
         warm-up tensors (shaped by the CP size) and their dropout draw from the CUDA generator,
         which parameter initialization on the CPU never reads; on the CPU they would shift the
-        generator that initializes the model, so weights would depend on the CP layout."""
-        with torch.random.fork_rng(devices=[]):
+        generator that initializes the model, so weights would depend on the CP layout. The
+        functions run eagerly: the warm-up exists to compile GPU fusions before the first step,
+        and compiling them for the CPU (inductor, seconds a rank) buys nothing there (a fusion
+        the model uses still compiles on its first call)."""
+        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
             return original(*args, **kwargs)
 
     return _warmup_jit_function

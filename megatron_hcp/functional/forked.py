@@ -19,6 +19,7 @@ imports, which cost 15 CPU-seconds per rank), then forks the ranks and watches t
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -125,6 +126,7 @@ def _zygote(module: str, argv: list[str], env: dict[str, str], logs: list[str], 
     prefork = getattr(worker, "prefork", None)
     if prefork is not None:
         prefork(argv)
+    gc.freeze()  # what every rank inherits lives as long as it: out of the collector's sight
     ctx = mp.get_context("fork")  # no thread runs here: a plain fork of this process
     procs = [ctx.Process(target=_rank_main, daemon=False, args=(
         worker, argv, {"RANK": str(r), "LOCAL_RANK": str(r)}, log))

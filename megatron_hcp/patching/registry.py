@@ -216,12 +216,16 @@ def _current(target: Target) -> Any:
 
 
 def is_applied(patch: Patch) -> bool:
-    """True when every target currently holds this patch's replacement."""
+    """True when every target currently holds this patch's replacement. A target whose module
+    this process never imported cannot hold it (applying imports it): the answer is False
+    without importing anything (megatron.training's modules import modelopt and transformers,
+    seconds of work a question must not cost)."""
     if patch.missing_requirement() or not patch.supports():
         return False
     targets = patch.targets_for()
-    return bool(targets) and all(getattr(_current(t), _NAME, None) == patch.name
-                                 for t in targets)
+    if not targets or any(t.module not in sys.modules for t in targets):
+        return False
+    return all(getattr(_current(t), _NAME, None) == patch.name for t in targets)
 
 
 def _raw(owner: Any, attr: str) -> Any:
