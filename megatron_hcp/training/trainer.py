@@ -133,7 +133,12 @@ def _transformer_config(spec: TinyGPTSpec):
     # multi-latent attention (extra_config multi_latent_attention=True plus MLA's head dims)
     config_class = (MLATransformerConfig if spec.extra_config.get("multi_latent_attention")
                     else TransformerConfig)
-    return config_class(
+    if spec.cp_partition_mode != "zigzag" and spec.extra_config.get("multi_latent_attention"):
+        raise CPConfigError([Violation(
+            "cp_partition_mode", spec.cp_partition_mode,
+            "multi-latent attention applies RoPE in its own code, which cuts zigzag only",
+            "use cp_partition_mode=zigzag with MLA")])
+    config = config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -168,6 +173,10 @@ def _transformer_config(spec: TinyGPTSpec):
         sequence_parallel=spec.sequence_parallel,
         **spec.extra_config,
     )
+    # upstream's TransformerConfig field (megatron's development branch); on the releases
+    # without it an attribute, which the reference attention and the RoPE patch read
+    config.cp_partition_mode = spec.cp_partition_mode
+    return config
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *,
@@ -367,6 +376,12 @@ class _StepData:
                 f"context_parallel_size={self.cp_size} tokens per rank must divide by "
                 f"tensor_model_parallel_size={tp} (sequence parallelism splits them over the "
                 f"TP ranks); use a seq_length that is a multiple of {2 * self.cp_size * tp}")
+        if spec.cp_partition_mode != "zigzag" and (self.cp_size > 1
+                                                   or spec.dynamic_context_parallel):
+            from ..patching import require_applied
+
+            require_applied(("rope-cp-partition-mode",),
+                            f"cp_partition_mode={spec.cp_partition_mode!r} (RoPE of a slice)")
         if spec.dynamic_context_parallel:
             from ..dynamic_cp.runtime import DynamicCPDataPath
             from ..patching import DYNAMIC_CP_PATCHES, require_applied
@@ -402,7 +417,7 @@ class _StepData:
             return static_cp_micro_batches(
                 data, dp_size=self.dp_size, dp_rank=self.dp_rank,
                 micro_batch_size=spec.micro_batch_size, cp_size=self.cp_size,
-                cp_rank=self.cp_rank)
+                cp_rank=self.cp_rank, cp_partition_mode=spec.cp_partition_mode)
         from ..dynamic_cp.packing import pack_thd
 
         v = spec.varlen
@@ -425,7 +440,8 @@ class _StepData:
         samples = [load(i) for i in ids]
         k = v.samples_per_micro_batch
         tp = spec.tensor_model_parallel_size if spec.sequence_parallel else 1
-        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp)
+        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp,
+                         cp_partition_mode=spec.cp_partition_mode)
                 for j in range(0, len(samples), k)]
 
 
