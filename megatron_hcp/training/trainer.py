@@ -138,6 +138,16 @@ def _transformer_config(spec: TinyGPTSpec):
             "cp_partition_mode", spec.cp_partition_mode,
             "multi-latent attention applies RoPE in its own code, which cuts zigzag only",
             "use cp_partition_mode=zigzag with MLA")])
+    extra = dict(spec.extra_config)
+    window = spec.config.window_size  # the CP rules read it; megatron's attention runs it
+    if window is not None:
+        given = extra.get("window_size")
+        if given is not None and tuple(given) != tuple(window):
+            raise CPConfigError([Violation(
+                "extra_config['window_size']", given,
+                f"differs from the config's window_size={list(window)}",
+                "set window_size once, on the config")])
+        extra["window_size"] = tuple(window)
     config = config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -171,7 +181,7 @@ def _transformer_config(spec: TinyGPTSpec):
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
         sequence_parallel=spec.sequence_parallel,
-        **spec.extra_config,
+        **extra,
     )
     # upstream's TransformerConfig field (megatron's development branch); on the releases
     # without it an attribute, which the reference attention and the RoPE patch read
@@ -399,7 +409,8 @@ class _StepData:
                 workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                      num_attention_heads=spec.num_attention_heads,
                                      num_query_groups=spec.num_query_groups),
-                micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel)
+                micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel,
+                cp_partition_mode=spec.cp_partition_mode)
         rows = spec.global_batch_size
         unit = spec.micro_batch_size * self.dp_size if spec.varlen is None else self.dp_size
         if rows % unit:
