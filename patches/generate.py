@@ -98,6 +98,54 @@ class _NoCPGroup:
 ''')
 
 
+_ROPE_LAYOUT_HELPERS = '''
+
+# megatron-hcp rope-cp-partition-mode: the CP layout of a model config, and packed RoPE in the
+# contiguous layout
+def cp_partition_mode_of(config) -> str:
+    """``config.cp_partition_mode`` ("zigzag" when the config has none)."""
+    mode = getattr(config, "cp_partition_mode", None) or "zigzag"
+    if mode not in ("zigzag", "contiguous"):
+        raise ValueError(f"cp_partition_mode={mode!r}: use one of zigzag, contiguous")
+    return mode
+
+
+class _NoCPGroupForRoPE:
+    """A CP group of one rank (no CP)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _apply_rotary_pos_emb_thd_contiguous(t, freqs, config, cu_seqlens, mscale, cp_group):
+    """RoPE of this rank's contiguous slices: the whole packed batch rotated without CP (with
+    this rank's slices in place), and the slices taken back."""
+    if config.apply_rope_fusion:
+        raise ValueError(
+            "apply_rope_fusion=True with cp_partition_mode='contiguous': Transformer "
+            "Engine's fused THD RoPE cuts sequences zigzag; set apply_rope_fusion=False"
+        )
+    cp, rank = cp_group.size(), cp_group.rank()
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    pieces = []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if (end - start) % cp:
+            raise ValueError(
+                f"sequence {i} has length {end - start}, not a multiple of {cp} (the "
+                f"contiguous layout over cp_size={cp})"
+            )
+        size = (end - start) // cp
+        pieces.append(torch.arange(start + rank * size, start + (rank + 1) * size))
+    idx = torch.cat(pieces).to(t.device) if pieces else torch.zeros(0, dtype=torch.long)
+    whole = t.new_zeros((bounds[-1], *t.shape[1:])).index_copy(0, idx, t)
+    out = apply_rotary_pos_emb(whole, freqs, config, cu_seqlens, mscale, _NoCPGroupForRoPE())
+    return out.index_select(0, idx)
+'''
+
+
 def _torch_view_edit(name: str) -> list:
     """The CPU view of torch appended to every module a patch views (each of its targets)."""
     patch = by_name([name])[0]
@@ -199,6 +247,59 @@ EDITS: dict[str, list] = {
          "                        cp_group=rope_cp_group,\n"),
         _append("megatron/core/transformer/attention.py",
                 _no_cp_group("attention-dynamic-cp-rope")),
+    ],
+    "rope-cp-partition-mode": [
+        ("megatron/core/models/gpt/gpt_model.py",
+         "                use_cpu_initialization=self.config.use_cpu_initialization,\n"
+         "                cp_group=self.pg_collection.cp,\n"
+         "            )\n\n"
+         "        elif self.position_embedding_type == 'yarn':\n",
+         "                use_cpu_initialization=self.config.use_cpu_initialization,\n"
+         "                cp_group=self.pg_collection.cp,\n"
+         "            )\n"
+         "            # megatron-hcp rope-cp-partition-mode: the table knows the CP layout\n"
+         "            from megatron.core.models.common.embeddings.rope_utils import (\n"
+         "                cp_partition_mode_of,\n"
+         "            )\n\n"
+         "            self.rotary_pos_emb.cp_partition_mode = cp_partition_mode_of(self.config)\n\n"
+         "        elif self.position_embedding_type == 'yarn':\n"),
+        ("megatron/core/models/common/embeddings/rotary_pos_embedding.py",
+         "        emb = self.get_emb(max_seq_len, offset)\n"
+         "        if cp_group is None:\n"
+         "            cp_group = self.cp_group\n"
+         "        if cp_group is not None and cp_group.size() > 1 and not packed_seq:\n"
+         "            # slice rotary_pos_emb along sequence dimension\n"
+         "            # and select the parition of the current CP rank\n"
+         "            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)\n",
+         "        emb = self.get_emb(max_seq_len, offset)\n"
+         "        if cp_group is None:\n"
+         "            cp_group = self.cp_group\n"
+         "        contiguous = getattr(self, 'cp_partition_mode', 'zigzag') == 'contiguous'\n"
+         "        if cp_group is not None and cp_group.size() > 1 and not packed_seq and contiguous:\n"
+         "            # megatron-hcp rope-cp-partition-mode: the rank's contiguous slice\n"
+         "            if emb.shape[0] % cp_group.size():\n"
+         "                raise ValueError(\n"
+         "                    f'RoPE table of {emb.shape[0]} positions cannot be cut into '\n"
+         "                    f'{cp_group.size()} contiguous slices: the sequence length must be a '\n"
+         "                    'multiple of the CP size'\n"
+         "                )\n"
+         "            emb = emb.chunk(cp_group.size(), dim=0)[cp_group.rank()]\n"
+         "        elif cp_group is not None and cp_group.size() > 1 and not packed_seq:\n"
+         "            # slice rotary_pos_emb along sequence dimension\n"
+         "            # and select the parition of the current CP rank\n"
+         "            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)\n"),
+        ("megatron/core/models/common/embeddings/rope_utils.py",
+         "    # Keep for backward compatibility. Will deprecate in the future.\n"
+         "    if cp_group is None:\n"
+         "        cp_group = parallel_state.get_context_parallel_group()\n",
+         "    # Keep for backward compatibility. Will deprecate in the future.\n"
+         "    if cp_group is None:\n"
+         "        cp_group = parallel_state.get_context_parallel_group()\n"
+         "    # megatron-hcp rope-cp-partition-mode: packed input in the contiguous layout\n"
+         "    if (cu_seqlens is not None and cp_group.size() > 1\n"
+         "            and cp_partition_mode_of(config) == 'contiguous'):\n"
+         "        return _apply_rotary_pos_emb_thd_contiguous(t, freqs, config, cu_seqlens, mscale, cp_group)\n"),
+        _append("megatron/core/models/common/embeddings/rope_utils.py", _ROPE_LAYOUT_HELPERS),
     ],
     "cross-entropy-model-tp-group": [
         ("megatron/core/tensor_parallel/cross_entropy.py",

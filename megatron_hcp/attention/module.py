@@ -17,12 +17,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, uses_dynamic_cp
+from .partition import partition_mode
 from .reference import context_parallel_attention, local_attention
 from .reference.api import check_window
 from .te import TEUnavailableError, have_te, te_attention_class
 
 __all__ = ["ReferenceCPAttention", "TEUnavailableError", "core_attention_class",
-           "gpt_layer_spec", "have_te"]
+           "gpt_layer_spec", "have_te", "partition_mode"]
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 _FULL = {AttnMaskType.no_mask, AttnMaskType.padding}
@@ -169,7 +170,8 @@ class ReferenceCPAttention(MegatronModule):
         groups = self.cp_groups(packed_seq_params)
         if groups.enabled:
             out = context_parallel_attention(
-                query, key, value, cp_comm_type=groups.comm_type, cp_group=groups.group, **kwargs
+                query, key, value, cp_comm_type=groups.comm_type, cp_group=groups.group,
+                cp_partition_mode=partition_mode(self.config, packed_seq_params), **kwargs
             )
         else:
             out = local_attention(query, key, value, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .groups import CPGroups, mpu_pg_collection, resolve_cp_groups, te_cp_kwargs, uses_dynamic_cp
+from .partition import partition_mode
 
 __all__ = ["TEUnavailableError", "carries_te_cp_groups", "have_te", "installed_te_version",
            "make_te_forward", "make_te_init", "rebind_te_cp_groups", "require_te_feature",
@@ -103,15 +104,24 @@ def installed_te_version() -> str | None:
     return None
 
 
-def require_te_feature(groups: CPGroups, packed_seq_params: Any, te_version: str | None) -> None:
-    """Refuse, before TE is called, a CP call the installed TE asserts on.
+def require_te_feature(groups: CPGroups, packed_seq_params: Any, te_version: str | None,
+                       config: Any = None) -> None:
+    """Refuse, before TE is called, a CP call the installed TE asserts on or would get wrong.
 
+    The contiguous layout (``cp_partition_mode``, from ``packed_seq_params`` or ``config``): TE
+    cuts every sequence zigzag, so it would attend over the wrong tokens without a word.
     a2a+p2p with packed THD input: TE up to 2.18 refuses it inside its forward (see
     :data:`~megatron_hcp.config.MIN_TE_VERSION_A2A_P2P_THD`); dynamic hierarchical CP always
     hits it. No CP, flat groups and bshd/sbhd input pass.
     """
     from ..config import MIN_TE_VERSION_A2A_P2P_THD, version_tuple
 
+    if groups.enabled and partition_mode(config, packed_seq_params) != "zigzag":
+        raise TEUnavailableError(
+            "cp_partition_mode='contiguous' with Transformer Engine's CP attention: TE cuts "
+            "every sequence zigzag (chunks r and 2cp-1-r) and has no per-sequence contiguous "
+            "layout; use the reference backend (cp_attention_backend=reference), or "
+            "cp_partition_mode='zigzag'")
     if not groups.enabled or not isinstance(groups.group, list):
         return
     if getattr(packed_seq_params, "qkv_format", None) != "thd":
@@ -188,14 +198,14 @@ def make_te_forward(original_forward):
                 packed_seq_params=None, **kwargs):
         if not uses_dynamic_cp(packed_seq_params):
             require_te_feature(self._cp_resolution[2], packed_seq_params,
-                               installed_te_version())
+                               installed_te_version(), self.config)
             return original_forward(self, query, key, value, attention_mask, attn_mask_type,
                                     attention_bias=attention_bias,
                                     packed_seq_params=packed_seq_params, **kwargs)
         pg_collection, comm_type, static = self._cp_resolution
         groups = resolve_cp_groups(self.config.context_parallel_size, comm_type, pg_collection,
                                    packed_seq_params)
-        require_te_feature(groups, packed_seq_params, installed_te_version())
+        require_te_feature(groups, packed_seq_params, installed_te_version(), self.config)
         _apply_te_groups(self, groups)
         # upstream forward would switch groups again and never restore them: hide the fields
         stripped = copy.copy(packed_seq_params)

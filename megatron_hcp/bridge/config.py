@@ -27,7 +27,7 @@ MODEL_FIELDS = (
     "num_query_groups", "num_layers", "seq_length", "dynamic_context_parallel",
     "min_dynamic_context_parallel_size", "max_seqlen_per_dp_cp_rank", "hybrid_context_parallel",
     "calculate_per_token_loss", "cuda_graph_impl", "enable_cuda_graph", "window_size",
-    "softmax_type",
+    "softmax_type", "cp_partition_mode",
 )
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..attention.partition import partition_mode
 from ..config import CPConfig, CPConfigError, Violation
 from ..parallel_state.dynamic import attach_dynamic_cp_groups, dynamic_cp_groups_of
 from ..patching.registry import Target
@@ -108,6 +109,14 @@ def prepare_config(cfg: Any, world_size: int | None = None) -> CPConfig:
         model, world_size_before_init() if world_size is None else world_size,
         use_megatron_fsdp=getattr(dist_cfg, "use_megatron_fsdp", False))
     config.validate()
+    if (config.cp_partition_mode != "zigzag" and config.context_parallel_size > 1
+            and not config.dynamic):
+        raise CPConfigError([Violation(
+            "model.cp_partition_mode", config.cp_partition_mode,
+            "Bridge's own batch step cuts every sequence zigzag with static CP (its dsv4_step "
+            "slices the whole packed buffer, not each sequence); megatron-hcp cuts batches "
+            "itself with dynamic CP only",
+            "use model.cp_partition_mode=zigzag with static CP in Bridge, or dynamic CP")])
     if config.dynamic:
         _check_dynamic_loop(model, config)
         turned_off = [f for f in _MEGATRON_DYNAMIC_FLAGS if getattr(model, f, False)]
@@ -350,7 +359,9 @@ class DynamicCPForwardBackward:
                 gated_mlp=bool(model_config.gated_linear_unit),
                 kv_channels=model_config.kv_channels),
             micro_batch_multiple=pg_collection.pp.size() if chunks > 1 else 1,
-            sequence_parallel=bool(model_config.sequence_parallel))
+            sequence_parallel=bool(model_config.sequence_parallel),
+            cp_partition_mode=(config.cp_partition_mode if config is not None
+                               else partition_mode(model_config)))
         self._path = (groups, path)
         return path
 

@@ -385,7 +385,8 @@ def _core_patches() -> list[Patch]:
     Transformer Engine's attention honouring hcp and dynamic groups where TE imports."""
     from ..patching import DECENTRALIZED_PATCHES, DYNAMIC_CP_PATCHES, by_name
 
-    patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, "destroy-forgets-stale-groups"])
+    patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, "destroy-forgets-stale-groups",
+                       "rope-cp-partition-mode"])
     return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"])
             if not p.missing_requirement()]
 

@@ -28,6 +28,7 @@ from .errors import CPConfigError, Violation
 from .flags import check_pairs, read_flags
 from .rules import (
     CP_COMM_TYPES,
+    CP_PARTITION_MODES,
     DEFAULT_CP_COMM_TYPE,
     MIN_TE_VERSION_A2A_P2P,
     MIN_TE_VERSION_A2A_P2P_THD,
@@ -56,6 +57,7 @@ from .values import (
 
 __all__ = [
     "CP_COMM_TYPES",
+    "CP_PARTITION_MODES",
     "CPConfig",
     "DEFAULT_CP_COMM_TYPE",
     "CPConfigError",

@@ -21,6 +21,7 @@ from .values import _VERSION_TEXT, FIELD_KINDS, LIMITS, MAX_RANKS, parse_version
 
 __all__ = [
     "CP_COMM_TYPES",
+    "CP_PARTITION_MODES",
     "CPConfig",
     "DEFAULT_CP_COMM_TYPE",
     "MIN_TE_VERSION_A2A_P2P",
@@ -34,6 +35,9 @@ __all__ = [
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DEFAULT_CP_COMM_TYPE = "p2p"  # megatron's default; the one place it is decided here
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron's TransformerConfig.softmax_type
+# the token layouts of megatron_hcp.sharding (which config may not import; a test keeps the two
+# equal): zigzag = chunks r and 2cp-1-r of every sequence, contiguous = its r-th slice
+CP_PARTITION_MODES = ("zigzag", "contiguous")
 
 
 def comm_type_or_default(cp_comm_type: str | None) -> str:
@@ -112,7 +116,8 @@ class CPConfig:
     megatron's default, ``"p2p"``). ``num_query_groups=None`` means MHA (as many KV heads as
     heads). ``cp_attention_backend`` says which attention kernel runs CP: ``"te"`` (Transformer
     Engine), ``"reference"`` (this project's pure-PyTorch backend) or ``"auto"`` (TE when
-    ``te_version`` is set).
+    ``te_version`` is set). ``cp_partition_mode`` (upstream megatron's name) is the token layout
+    of a CP rank: ``"zigzag"`` (chunks r and 2cp-1-r) or ``"contiguous"`` (slice r).
     """
 
     context_parallel_size: int = 1
@@ -137,6 +142,7 @@ class CPConfig:
     cp_attention_backend: Backend = "auto"
     window_size: list[int] | tuple[int, int] | None = None
     softmax_type: str = "vanilla"
+    cp_partition_mode: str = "zigzag"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # numpy / torch integers are integers
@@ -389,15 +395,20 @@ class CPConfig:
         cp = self.context_parallel_size
         if self.seq_length is None or cp <= 1 or not isinstance(self.seq_length, int):
             return
-        if self.seq_length % (2 * cp) != 0:
+        if self.cp_partition_mode == "contiguous":
+            unit, why = cp, ("context_parallel_size", "the contiguous layout cuts every sequence "
+                             "into CP slices")
+        else:
+            unit, why = 2 * cp, ("2*context_parallel_size", "load-balanced (zigzag) causal CP "
+                                 "splits every sequence into 2*CP chunks")
+        if self.seq_length % unit != 0:
             out.append(
                 Violation(
                     "seq_length",
                     self.seq_length,
-                    f"must be divisible by 2*context_parallel_size={2 * cp} (load-balanced "
-                    "causal CP splits every sequence into 2*CP chunks)",
-                    f"use a multiple of {2 * cp}, "
-                    f"e.g. {(self.seq_length // (2 * cp) + 1) * 2 * cp}",
+                    f"must be divisible by {why[0]}={unit} ({why[1]})",
+                    f"use a multiple of {unit}, "
+                    f"e.g. {(self.seq_length // unit + 1) * unit}",
                 )
             )
 
@@ -540,6 +551,7 @@ class CPConfig:
                 f"all_gather, not {', '.join(ring)} (backend te)",
                 "use cp_comm_type=a2a or all_gather, or cp_attention_backend=reference (its "
                 "ring skips the blocks outside the window)"))
+        self._check_partition_mode(out, advice, windowed)
         if self.softmax_type not in SOFTMAX_TYPES:
             out.append(Violation("softmax_type", self.softmax_type,
                                  f"must be one of {', '.join(SOFTMAX_TYPES)}", "pick one of those"))
@@ -550,6 +562,32 @@ class CPConfig:
                     "softmax_type", self.softmax_type,
                     "Transformer Engine runs softmax offsets (sinks) with CP only with a2a "
                     f"(backend te, cp_comm_type={self.comm_type})", "use cp_comm_type=a2a"))
+
+    def _check_partition_mode(self, out: list[Violation], advice: list[str],
+                              windowed: bool) -> None:
+        mode, cp = self.cp_partition_mode, self.context_parallel_size
+        if mode not in CP_PARTITION_MODES:
+            out.append(Violation(
+                "cp_partition_mode", mode, f"must be one of {', '.join(CP_PARTITION_MODES)}",
+                "zigzag (chunks r and 2cp-1-r of every sequence: balanced causal work) or "
+                "contiguous (slice r of every sequence)"))
+            return
+        if mode != "contiguous" or (cp <= 1 and not self.dynamic):
+            return
+        if self.backend == "te":
+            out.append(Violation(
+                "cp_partition_mode", mode,
+                "Transformer Engine's CP attention cuts every sequence zigzag (chunks r and "
+                "2cp-1-r); no TE release attends over per-sequence contiguous slices (its "
+                "NO_LOAD_BALANCE strategy slices the whole packed buffer, all_gather with THD "
+                "only) (backend te)",
+                "use cp_attention_backend=reference, or cp_partition_mode=zigzag"))
+        elif not windowed and cp > 1:
+            advice.append(
+                f"cp_partition_mode=contiguous with causal attention and no sliding window: "
+                f"the last of {cp} CP ranks does {2 * cp - 1}/{cp} = {(2 * cp - 1) / cp:.2f}x "
+                "the mean attention work (zigzag balances it); contiguous pays off with a "
+                "sliding window, where a rank needs K/V only from its neighbours")
 
     def dynamic_levels(self, size: int) -> tuple[int, int]:
         """(a2a, p2p) level sizes of a dynamic CP group of ``size`` ranks under dynamic HCP:

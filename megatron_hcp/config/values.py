@@ -87,6 +87,7 @@ FIELD_KINDS: dict[str, str] = {
     "cp_attention_backend": "str",
     "window_size": "?window",
     "softmax_type": "str",
+    "cp_partition_mode": "str",
 }
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..parallel_state.dynamic import DynamicCPGroups
 from ..parallel_state.groups import collective_device
-from ..sharding import MicroBatch
+from ..sharding import DEFAULT_CP_PARTITION_MODE, MicroBatch, check_partition_mode
 from .packing import pack_thd
 from .projection import Cluster, Hardware
 from .scheduler import Plan, schedule
@@ -67,7 +67,9 @@ class DynamicCPDataPath:
     ``8 // TP`` DPxCP positions) and plans are ranked with each group's a2a and p2p levels; a
     given Cluster is used with the levels too, a given single-link ``Hardware`` prices flat rings.
     ``sequence_parallel``: sequences are padded so that every rank's packed tokens split evenly
-    over the TP ranks.
+    over the TP ranks. ``cp_partition_mode``: the layout every micro-batch is cut in (its
+    group's zigzag chunks or contiguous slices); the plan's token counts assume the zigzag
+    padding, which is never less than the contiguous one, so a plan fits the cap in both.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class DynamicCPDataPath:
         micro_batch_multiple: int = 1,
         hardware: Hardware | Cluster | None = _DEFAULT_HARDWARE,
         sequence_parallel: bool = False,
+        cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
     ):
         self.groups = groups
+        self.mode = check_partition_mode(cp_partition_mode)
         self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
         self.cap = int(max_seqlen_per_dp_cp_rank)
         self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
@@ -210,7 +214,7 @@ class DynamicCPDataPath:
             group = next((g for g in mb.groups if self.position in g.ranks), None)
             if group is None:  # idle in this micro-batch
                 out.append(pack_thd([torch.zeros(3, 2, dtype=torch.int64)], 1, 0, dynamic=True,
-                                    pad_multiple=self.pad_multiple))
+                                    pad_multiple=self.pad_multiple, cp_partition_mode=self.mode))
                 continue
             size = len(group.ranks)
             samples = [have[s] if self.is_tp_src else torch.zeros(3, lengths[s], dtype=torch.int64)
@@ -218,7 +222,7 @@ class DynamicCPDataPath:
             out.append(pack_thd(samples, size, self.position - group.ranks[0],
                                 self.groups.group(size), dynamic=True,
                                 levels=self.groups.levels(size),
-                                pad_multiple=self.pad_multiple))
+                                pad_multiple=self.pad_multiple, cp_partition_mode=self.mode))
         if dist.get_world_size(self.tp_group) > 1:
             for mb in out:
                 payload = torch.stack([mb.tokens[0], mb.labels[0],

@@ -19,7 +19,8 @@ BRIDGE:
 
 The overrides go through Bridge's own ``process_config_with_overrides``, except the dynamic-CP
 names of megatron-core's development branch (``model.dynamic_context_parallel``,
-``model.min_dynamic_context_parallel_size``) where the model config has no such field: Bridge
+``model.min_dynamic_context_parallel_size``) and its CP layout (``model.cp_partition_mode``)
+where the model config has no such field: Bridge
 would drop them with a warning (and train static CP), so they are set on the provider here,
 where megatron-hcp reads them. The CP fields of the overrides make the recipe's
 :class:`~megatron_hcp.config.CPConfig` (checked when the recipe loads, also without Bridge);
@@ -48,6 +49,9 @@ BRIDGE_WORKER = "megatron_hcp.functional.bridge_worker"
 ENTRIES = ("pretrain", "finetune")
 # megatron-core development-branch names of dynamic CP (no fields on 0.19's model config)
 DEV_DYNAMIC_FIELDS = ("dynamic_context_parallel", "min_dynamic_context_parallel_size")
+# ... and every development-branch name a 0.19 model config has no field for (set on the
+# provider; cp_partition_mode is upstream's TransformerConfig field for the CP layout)
+DEV_FIELDS = (*DEV_DYNAMIC_FIELDS, "cp_partition_mode")
 _CP_FIELDS = frozenset(CPConfig.field_names()) - {"data_parallel_size"}
 
 
@@ -135,7 +139,7 @@ def build_bridge_config(recipe: str, recipe_args: dict[str, Any], overrides: Ite
     cfg = function(**kwargs)
     cfg.dist.distributed_backend = BACKENDS[platform]
     overrides = list(overrides)
-    ours = [o for o in overrides if _key(o).removeprefix("model.") in DEV_DYNAMIC_FIELDS
+    ours = [o for o in overrides if _key(o).removeprefix("model.") in DEV_FIELDS
             and not hasattr(cfg.model, _key(o).removeprefix("model."))]
     theirs = [o for o in overrides if o not in ours]
     process_config_with_overrides(cfg, config_filepath=str(config_file) if config_file else None,

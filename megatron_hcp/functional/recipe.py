@@ -79,7 +79,8 @@ _CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "s
                      "context_parallel_size", "cp_comm_type",
                      "hierarchical_context_parallel_sizes", "dynamic_context_parallel",
                      "hybrid_context_parallel", "min_dynamic_context_parallel_size",
-                     "max_seqlen_per_dp_cp_rank", "calculate_per_token_loss")
+                     "max_seqlen_per_dp_cp_rank", "calculate_per_token_loss",
+                     "cp_partition_mode", "window_size")
 _FLAGS: dict[str, tuple[str | None, str]] = {
     **{f"--{name.replace('_', '-')}": (name, FIELD_KINDS[name]) for name in _CP_RECIPE_FIELDS},
     **_SPEC_FLAGS,

@@ -95,6 +95,8 @@ def train_recipe(recipe: Any, spec: Any, platform: str, on_step: Any = None) -> 
     if platform == "cpu_gloo":
         apply_cpu_runtime()
     apply_dynamic_cp()
+    if recipe.config.cp_partition_mode != "zigzag":
+        apply(by_name(["rope-cp-partition-mode"]))
     if platform == "gpu_nccl":
         from ..attention.te import have_te
 

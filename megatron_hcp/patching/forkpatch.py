@@ -50,10 +50,11 @@ SERIES: tuple[str, ...] = (
     "cpu-schedules-device", "cpu-p2p-device", "cpu-global-memory-buffer", "cpu-ddp-buffers",
     "cpu-rope-device", "cpu-attention-masks", "cpu-optimizer-device", "cpu-grad-norm-device",
     "cpu-mtp-loss-tracker", "cpu-rope-cp-index", "cpu-rng-tracker", "cpu-tied-embedding-sync",
-    "attention-dynamic-cp-rope", "cross-entropy-model-tp-group", "destroy-forgets-stale-groups",
-    "te-attention-hcp", "p2p-variable-seq-lengths", "chained-optimizer-count-zeros-tp-group",
-    "mtp-dynamic-cp-group", "mamba-dynamic-cp-group", "pg-collection-repr", "cpu-sequence-parallel",
-    "mla-without-te", "cpu-timers", "cpu-dist-checkpointing", "cpu-ddp-wrap",
+    "attention-dynamic-cp-rope", "rope-cp-partition-mode", "cross-entropy-model-tp-group",
+    "destroy-forgets-stale-groups", "te-attention-hcp", "p2p-variable-seq-lengths",
+    "chained-optimizer-count-zeros-tp-group", "mtp-dynamic-cp-group", "mamba-dynamic-cp-group",
+    "pg-collection-repr", "cpu-sequence-parallel", "mla-without-te", "cpu-timers",
+    "cpu-dist-checkpointing", "cpu-ddp-wrap",
 )
 
 

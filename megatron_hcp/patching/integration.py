@@ -10,9 +10,10 @@ from ..attention.te import make_te_forward, make_te_init
 from ..parallel_state.groups import collective_device, destroy_groups
 from ..parallel_state.mpu import forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
+from .partition_layout import NoCPGroup, make_apply_rope, make_gpt_init, make_rope_table
 from .registry import Patch, Target
 
-__all__ = ["INTEGRATION_PATCHES", "mamba_cp_for_group"]
+__all__ = ["INTEGRATION_PATCHES", "NoCPGroup", "mamba_cp_for_group"]
 
 VERSIONS = ("0.16.1", "0.19.2")
 _V16, _V19 = ("0.16.1",), ("0.19.2",)
@@ -62,20 +63,6 @@ def _make_lm_loss(original):
         return loss.transpose(0, 1).contiguous()
 
     return compute_language_model_loss
-
-
-class NoCPGroup:
-    """What RoPE needs of a CP group when a dynamic-CP micro-batch runs without CP.
-
-    Only ``size()`` and ``rank()``: RoPE slicing reads those and nothing else in
-    ``Attention.forward`` uses the CP group of ``pg_collection``.
-    """
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
 
 
 def _dynamic_group(params: Any) -> tuple[bool, Any]:
@@ -247,7 +234,29 @@ def _make_count_zeros(original):
     return count_zeros
 
 
+_ROPE = "megatron.core.models.common.embeddings"
 INTEGRATION_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="rope-cp-partition-mode",
+        summary="RoPE rotates a CP rank's tokens by the positions of its contiguous slice when "
+        "the model config says cp_partition_mode='contiguous' (bshd table and packed thd); "
+        "zigzag untouched",
+        upstream="megatron/core/models/common/embeddings/rotary_pos_embedding.py "
+        "RotaryEmbedding.forward and rope_utils.py _apply_rotary_pos_emb_thd cut the table "
+        "for chunks r and 2cp-1-r only (get_pos_emb_on_this_cp_rank, "
+        "_get_thd_freqs_on_this_cp_rank); megatron's development branch has the layout "
+        "(PR #6764), no release up to 0.19.2",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.models.gpt.gpt_model", "GPTModel.__init__", make_gpt_init),
+            Target(f"{_ROPE}.rotary_pos_embedding", "RotaryEmbedding.forward",
+                   make_rope_table, params=("self", "max_seq_len", "offset", "packed_seq",
+                                            "cp_group")),
+            Target(f"{_ROPE}.rope_utils", "apply_rotary_pos_emb", make_apply_rope,
+                   params=("t", "freqs", "config", "cu_seqlens", "mscale", "cp_group"),
+                   also_bound_under="megatron.core"),
+        ),
+    ),
     Patch(
         name="attention-dynamic-cp-rope",
         summary="Attention applies RoPE with the micro-batch's dynamic CP group "

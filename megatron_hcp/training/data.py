@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from ..sharding import MicroBatch, get_local_chunk
+from ..sharding import DEFAULT_CP_PARTITION_MODE, MicroBatch, get_local_chunk
 
 __all__ = [
     "CORPORA",
@@ -47,8 +47,10 @@ def static_cp_micro_batches(
     micro_batch_size: int,
     cp_size: int,
     cp_rank: int,
+    cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
 ) -> list[MicroBatch]:
-    """This DP rank's micro-batches, each cut to this CP rank's load-balanced chunks."""
+    """This DP rank's micro-batches, each cut to this CP rank's part in ``cp_partition_mode``
+    (zigzag: the load-balanced chunks; contiguous: its slice)."""
     rows = data["tokens"].shape[0]
     per_dp = rows // dp_size
     mine = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
@@ -56,7 +58,10 @@ def static_cp_micro_batches(
     positions = torch.arange(seq).expand(rows, seq)
 
     def cut(x: torch.Tensor, part: slice) -> torch.Tensor:
-        return get_local_chunk(x[part], cp_size, cp_rank, "bshd") if cp_size > 1 else x[part]
+        if cp_size == 1:
+            return x[part]
+        return get_local_chunk(x[part], cp_size, cp_rank, "bshd",
+                               cp_partition_mode=cp_partition_mode)
 
     out = []
     for start in range(mine.start, mine.stop, micro_batch_size):

@@ -133,7 +133,22 @@ def _transformer_config(spec: TinyGPTSpec):
     # multi-latent attention (extra_config multi_latent_attention=True plus MLA's head dims)
     config_class = (MLATransformerConfig if spec.extra_config.get("multi_latent_attention")
                     else TransformerConfig)
-    return config_class(
+    if spec.cp_partition_mode != "zigzag" and spec.extra_config.get("multi_latent_attention"):
+        raise CPConfigError([Violation(
+            "cp_partition_mode", spec.cp_partition_mode,
+            "multi-latent attention applies RoPE in its own code, which cuts zigzag only",
+            "use cp_partition_mode=zigzag with MLA")])
+    extra = dict(spec.extra_config)
+    window = spec.config.window_size  # the CP rules read it; megatron's attention runs it
+    if window is not None:
+        given = extra.get("window_size")
+        if given is not None and tuple(given) != tuple(window):
+            raise CPConfigError([Violation(
+                "extra_config['window_size']", given,
+                f"differs from the config's window_size={list(window)}",
+                "set window_size once, on the config")])
+        extra["window_size"] = tuple(window)
+    config = config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -166,8 +181,12 @@ def _transformer_config(spec: TinyGPTSpec):
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
         sequence_parallel=spec.sequence_parallel,
-        **spec.extra_config,
+        **extra,
     )
+    # upstream's TransformerConfig field (megatron's development branch); on the releases
+    # without it an attribute, which the reference attention and the RoPE patch read
+    config.cp_partition_mode = spec.cp_partition_mode
+    return config
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *,
@@ -367,6 +386,12 @@ class _StepData:
                 f"context_parallel_size={self.cp_size} tokens per rank must divide by "
                 f"tensor_model_parallel_size={tp} (sequence parallelism splits them over the "
                 f"TP ranks); use a seq_length that is a multiple of {2 * self.cp_size * tp}")
+        if spec.cp_partition_mode != "zigzag" and (self.cp_size > 1
+                                                   or spec.dynamic_context_parallel):
+            from ..patching import require_applied
+
+            require_applied(("rope-cp-partition-mode",),
+                            f"cp_partition_mode={spec.cp_partition_mode!r} (RoPE of a slice)")
         if spec.dynamic_context_parallel:
             from ..dynamic_cp.runtime import DynamicCPDataPath
             from ..patching import DYNAMIC_CP_PATCHES, require_applied
@@ -384,7 +409,8 @@ class _StepData:
                 workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                      num_attention_heads=spec.num_attention_heads,
                                      num_query_groups=spec.num_query_groups),
-                micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel)
+                micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel,
+                cp_partition_mode=spec.cp_partition_mode)
         rows = spec.global_batch_size
         unit = spec.micro_batch_size * self.dp_size if spec.varlen is None else self.dp_size
         if rows % unit:
@@ -402,7 +428,7 @@ class _StepData:
             return static_cp_micro_batches(
                 data, dp_size=self.dp_size, dp_rank=self.dp_rank,
                 micro_batch_size=spec.micro_batch_size, cp_size=self.cp_size,
-                cp_rank=self.cp_rank)
+                cp_rank=self.cp_rank, cp_partition_mode=spec.cp_partition_mode)
         from ..dynamic_cp.packing import pack_thd
 
         v = spec.varlen
@@ -425,7 +451,8 @@ class _StepData:
         samples = [load(i) for i in ids]
         k = v.samples_per_micro_batch
         tp = spec.tensor_model_parallel_size if spec.sequence_parallel else 1
-        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp)
+        return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp,
+                         cp_partition_mode=spec.cp_partition_mode)
                 for j in range(0, len(samples), k)]
 
 

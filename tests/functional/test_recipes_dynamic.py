@@ -34,6 +34,7 @@ def test_every_recipe_is_tested():
     from tests.functional import (
         test_recipes_bridge,
         test_recipes_main_job,
+        test_recipes_partition_layout,
         test_recipes_resume,
         test_recipes_static_cp,
         test_recipes_tp_pp_cp,
@@ -41,5 +42,5 @@ def test_every_recipe_is_tested():
 
     tested = [*RECIPES, *test_recipes_main_job.RECIPES, *test_recipes_resume.RECIPES,
               *test_recipes_static_cp.RECIPES, *test_recipes_tp_pp_cp.RECIPES,
-              *test_recipes_bridge.RECIPES]
+              *test_recipes_bridge.RECIPES, *test_recipes_partition_layout.RECIPES]
     assert sorted(tested) == list_recipes()

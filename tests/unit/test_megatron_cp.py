@@ -13,19 +13,24 @@ WORLD = 4
 RTOL = 1e-5
 
 
-def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False, extra=None):
-    """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer."""
+def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False, extra=None, mode="zigzag"):
+    """One rank: MPU groups through megatron_hcp, then megatron's schedule/DDP/optimizer;
+    ``mode``: the CP partition layout (``cp_partition_mode``)."""
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
-    from megatron_hcp.patching import apply_cpu_runtime
+    from megatron_hcp.patching import apply, apply_cpu_runtime, by_name, revert
     from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
 
     apply_cpu_runtime()
+    rope = by_name(["rope-cp-partition-mode"])
+    if mode != "zigzag":
+        apply(rope)
     initialize_model_parallel(
         CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
                  pipeline_model_parallel_size=pp, data_parallel_size=WORLD // (tp * cp * pp),
                  cp_comm_type=comm, hierarchical_context_parallel_sizes=hcp,
-                 num_attention_heads=4, num_query_groups=2, seq_length=64),
+                 num_attention_heads=4, num_query_groups=2, seq_length=64,
+                 cp_partition_mode=mode),
         create_gloo_process_groups=False,
     )
     try:
@@ -34,9 +39,10 @@ def train(tp, cp, pp, comm, hcp, steps=3, tied=False, sp=False, extra=None):
             tensor_model_parallel_size=tp, context_parallel_size=cp,
             pipeline_model_parallel_size=pp, cp_comm_type=comm,
             hierarchical_context_parallel_sizes=hcp, share_embeddings_and_output_weights=tied,
-            sequence_parallel=sp, extra_config=extra or {}))
+            sequence_parallel=sp, extra_config=extra or {}, cp_partition_mode=mode))
     finally:
         destroy_model_parallel()
+        revert(rope)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +115,48 @@ def test_attention_features_train_like_cp1(world, extra, layouts):
     assert want["loss"] != world.run(train, 1, 1, 1, "p2p", None)[0]["loss"]
     for tp, cp, pp, comm, hcp in layouts:
         assert_runs_equal(world.run(train, tp, cp, pp, comm, hcp, extra=extra), want)
+
+
+CONTIGUOUS = [(1, 4, 1, "p2p", None), (1, 4, 1, "all_gather", None), (1, 4, 1, "a2a", None),
+              (1, 4, 1, "a2a+p2p", [2, 2]), (2, 2, 1, "p2p", None), (1, 2, 2, "a2a+p2p", [2, 1])]
+
+
+@pytest.mark.parametrize("extra", [None, {"window_size": (5, 0)}])
+def test_contiguous_layout_trains_like_cp1(world, baseline, extra):
+    """cp_partition_mode='contiguous' (slice r of the sequence, RoPE by its positions: the
+    rope-cp-partition-mode patch) trains like one rank with every comm type, TP, PP and HCP,
+    causal and with a sliding window (whose ring stops at the window's reach)."""
+    want = baseline if extra is None else world.run(train, 1, 1, 1, "p2p", None, extra=extra)[0]
+    for tp, cp, pp, comm, hcp in CONTIGUOUS if extra is None else CONTIGUOUS[:1] + CONTIGUOUS[3:4]:
+        assert_runs_equal(world.run(train, tp, cp, pp, comm, hcp, extra=extra,
+                                    mode="contiguous"), want)
+
+
+def train_contiguous_without_its_rope_patch():
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron_hcp.patching import PatchError, apply_cpu_runtime
+    from megatron_hcp.training.trainer import TinyGPTSpec, train_tiny_gpt
+
+    apply_cpu_runtime()
+    initialize_model_parallel(CPConfig(context_parallel_size=4, seq_length=64,
+                                       cp_partition_mode="contiguous"),
+                              create_gloo_process_groups=False)
+    try:
+        train_tiny_gpt(TinyGPTSpec.of(context_parallel_size=4, steps=1,
+                                      cp_partition_mode="contiguous"))
+    except PatchError as err:
+        return str(err)
+    finally:
+        destroy_model_parallel()
+    return None
+
+
+def test_contiguous_layout_needs_its_rope_patch(world):
+    """Without rope-cp-partition-mode RoPE would rotate a slice by zigzag positions: the
+    trainer refuses, naming the patch, before any step."""
+    messages = world.run(train_contiguous_without_its_rope_patch)
+    assert all(m is not None and "rope-cp-partition-mode" in m for m in messages), messages
 
 
 def test_tied_embeddings_across_pipeline_stages(world):

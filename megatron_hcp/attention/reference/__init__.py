@@ -11,6 +11,7 @@ from .api import context_parallel_attention, local_attention
 from .blocks import BlockCounter
 from .comm import CommCounter, CommRecord
 from .oracle import full_attention
+from .repartition import convert_partition
 from .seq_layout import CPAttentionError
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "CommRecord",
     "assemble_from_chunks",
     "context_parallel_attention",
+    "convert_partition",
     "full_attention",
     "gather_from_cp",
     "local_attention",

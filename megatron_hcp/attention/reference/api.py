@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import CP_COMM_TYPES
-from ...sharding import seq_lengths
+from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
 from .functions import AllGatherAttention, RingAttention, UlyssesAllToAll
 from .seq_layout import CPAttentionError, SeqLayout, a2a_gather_permutation, check_cu_seqlens
 
@@ -117,6 +117,7 @@ def context_parallel_attention(
     window_size: tuple[int, int] | None = None,
     softmax_offset: torch.Tensor | None = None,
     attention_bias: torch.Tensor | None = None,
+    cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
 ) -> torch.Tensor:
     """Attention of this rank's CP shards ``q, k, v``; returns this rank's output shard.
 
@@ -140,15 +141,19 @@ def context_parallel_attention(
     ``1hss``, ``11ss``, ``111s``), added to the scaled scores; each block takes its rows and
     columns (the same load-balanced chunks as the scores). With CP only on the ring (``p2p``)
     and not with ``thd`` - as Transformer Engine; its gradient, like the offset's, covers this
-    rank's rows and sums over the CP group.
+    rank's rows and sums over the CP group. ``cp_partition_mode``: the layout the shards are
+    in (:mod:`~megatron_hcp.sharding`): ``"zigzag"`` (chunks ``r`` and ``2*CP-1-r``; padded
+    lengths a multiple of ``2*CP``) or ``"contiguous"`` (slice ``r``; a multiple of ``CP``),
+    every comm type and feature in both; the output is in the same layout.
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise CPAttentionError(f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}")
+    mode = check_partition_mode(cp_partition_mode)
     window = check_window(window_size)
     return _attention(
         q, k, v, cp_comm_type, _groups(cp_comm_type, cp_group), causal, qkv_format,
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
-        window, softmax_offset, attention_bias,
+        window, softmax_offset, attention_bias, mode,
     )
 
 
@@ -252,7 +257,8 @@ def check_window(window_size) -> tuple[int, int] | None:
 
 def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale, window,
-               softmax_offset=None, attention_bias=None) -> torch.Tensor:
+               softmax_offset=None, attention_bias=None,
+               mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
     expected_dims = 3 if qkv_format == "thd" else 4
@@ -291,9 +297,9 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                 "cu_seqlens_q/_kv (and their padded forms) differ; CP attention supports "
                 "self-attention with one packing"
             )
-        check_cu_seqlens(cu_seqlens_q.cpu(), pad_q.cpu(), n)
+        check_cu_seqlens(cu_seqlens_q.cpu(), pad_q.cpu(), n, cp_partition_mode=mode)
         layout = SeqLayout(tuple(seq_lengths(pad_q.cpu())), tuple(seq_lengths(cu_seqlens_q.cpu())),
-                           n, flat)
+                           n, flat, mode)
         if layout.local_tokens != qh.shape[2]:
             raise CPAttentionError(
                 f"q holds {qh.shape[2]} tokens but cu_seqlens_q_padded gives "
@@ -301,12 +307,13 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                 "sharded tensor (get_local_chunk) and the full-batch cu_seqlens"
             )
     else:
-        if qh.shape[2] % 2:
+        if mode == "zigzag" and qh.shape[2] % 2:
             raise CPAttentionError(
-                f"local sequence length {qh.shape[2]} is odd; the load-balanced layout holds "
-                "two equal chunks per rank (global length must be a multiple of 2*CP)"
+                f"local sequence length {qh.shape[2]} is odd; the zigzag layout holds two equal "
+                "chunks per rank (global length must be a multiple of 2*CP); pad it, or use "
+                "cp_partition_mode='contiguous' (a multiple of CP)"
             )
-        layout = SeqLayout.dense(qh.shape[2], n, flat)
+        layout = SeqLayout.dense(qh.shape[2], n, flat, mode)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     if a > 1:

@@ -1,13 +1,16 @@
 """Which query rows meet which key/value columns, for a pair of CP positions.
 
-With load-balanced chunks, position ``r`` holds chunks ``r`` and ``2n-1-r``. Against the keys and
-values of position ``src`` under a causal mask (as in Transformer Engine):
+With load-balanced (zigzag) chunks, position ``r`` holds chunks ``r`` and ``2n-1-r``. Against the
+keys and values of position ``src`` under a causal mask (as in Transformer Engine):
 
 * ``src == r``: all local queries on all local keys, causal (the diagonal);
 * ``src <  r``: all queries on the *first* half of the keys, no mask (it lies in the past);
 * ``src >  r``: the *second* half of the queries on all keys, no mask.
 
-Every rank therefore does the same work at every step. Without a causal mask every pair is full.
+Every rank therefore does the same work at every step. In the contiguous layout (position ``r``
+holds slice ``r``) a causal block is the diagonal (``src == r``), full (``src < r``) or empty
+(``src > r``: skipped), so position ``r`` computes ``r + 1`` blocks. Without a causal mask every
+pair is full.
 Packed (``thd``) data adds a mask: same sequence, both tokens real (not padding), and causal order
 by position inside the sequence.
 
@@ -106,6 +109,10 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
     r, src = q_layout.position, kv_layout.position
     if not causal:
         rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), False
+    elif q_layout.contiguous:  # slices in order: the past in full, the future not at all
+        if src > r:
+            return None
+        rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), src == r
     elif src == r:
         rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), True
     elif src < r:

@@ -19,6 +19,7 @@ __all__ = [
     "CommRecord",
     "all_gather_into_tensor",
     "all_to_all_single",
+    "all_to_all_v",
     "reduce_scatter_tensor",
     "ring_exchange",
 ]
@@ -109,6 +110,15 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessG
     size = dist.get_world_size(group)
     _record("all_to_all", inp.numel() * (size - 1) // size, inp, group)
     dist.all_to_all_single(out, inp, group=group)
+
+
+def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                 in_splits: list[int], group: dist.ProcessGroup) -> None:
+    """All-to-all with uneven splits along dim 0 (counted: the rows not kept by this rank)."""
+    row = inp[0].numel() if inp.shape[0] else 0
+    kept = in_splits[dist.get_rank(group)] * row
+    _record("all_to_all_v", inp.numel() - kept, inp, group)
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
 
 
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,

@@ -126,26 +126,42 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
     return -(prob * delta).sum((0, 2)).to(sink.dtype)
 
 
-def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int):
-    """Yield ``(src, kv of src)`` for each of the ``p`` ring steps.
+def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
+    """How many ring steps past the local one a rank needs: ``cp - 1``, or fewer in the
+    contiguous layout under a window that looks only back (causal, or right size 0) a bounded
+    ``left`` tokens: the slices within ``left`` tokens before this one, ``ceil(left / c)`` for
+    slices of ``c`` tokens (the longest reach over the packed sequences)."""
+    p = layout.cp
+    if not layout.contiguous or window is None or window[0] < 0 or not (
+            causal or window[1] == 0):
+        return p - 1
+    slices = [n // p for n in layout.padded if n]
+    reach = max((-(-window[0] // c) for c in slices), default=0)
+    return min(p - 1, reach)
+
+
+def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int):
+    """Yield ``(src, kv of src)`` for each of ``steps`` ring steps (``p``: the whole ring).
 
     The next step's K/V is already on its way while the caller computes with the current one.
     """
     p = len(ranks)
     nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
-    for step in range(p):
-        if step < p - 1:
+    for step in range(steps):
+        if step < steps - 1:
             incoming = torch.empty_like(kv)
             works = comm.ring_exchange(kv, incoming, group, nxt, prv)
         yield (pos - step) % p, kv
-        if step < p - 1:
+        if step < steps - 1:
             for w in works:
                 w.wait()
             kv = incoming
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order)."""
+    """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order). The ring runs
+    :func:`ring_reach` + 1 steps: in the contiguous layout under a backward-looking window it
+    stops once every rank has the K/V its window reaches (the rest never travels)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
@@ -153,7 +169,8 @@ class RingAttention(torch.autograd.Function):
                 bias: torch.Tensor | None = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
         out, lse = _new_acc(q, v)
-        for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position):
+        steps = ring_reach(layout, causal, window) + 1
+        for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position, steps):
             kv_layout = layout.at(layout.cp, src)
             block = _on(plan_block(layout, kv_layout, causal, window), q.device)
             record_block(block, layout)
@@ -176,7 +193,8 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
-        for src, kv in _ring_steps(_pack(k, v), group, ranks, pos):
+        steps = ring_reach(layout, causal, window) + 1
+        for step, (src, kv) in enumerate(_ring_steps(_pack(k, v), group, ranks, pos, steps)):
             kv_layout = layout.at(layout.cp, src)
             block = _on(plan_block(layout, kv_layout, causal, window), q.device)
             if block is not None:
@@ -187,10 +205,12 @@ class RingAttention(torch.autograd.Function):
                                      _bias_block(bias, where))
                 if gb is not None:
                     _add_bias_grad(dbias, gb, where)
-            if p > 1:  # dK/dV of `src` travel on; after the last step ours come home
+            if p > 1 and steps > 1:  # dK/dV of `src` travel on with its K/V; after the
+                # last step they go home: `step` ranks back (the whole ring: the next rank)
+                hop = 1 if step < steps - 1 else (p - step) % p
                 arrived = torch.empty_like(dkv)
-                works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + 1) % p],
-                                           ranks[(pos - 1) % p])
+                works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + hop) % p],
+                                           ranks[(pos - hop) % p])
                 for w in works:
                     w.wait()
                 dkv = arrived

@@ -9,7 +9,13 @@ from functools import lru_cache
 
 import torch
 
-from ...sharding import ShardingError, seq_lengths
+from ...sharding import (
+    DEFAULT_CP_PARTITION_MODE,
+    ShardingError,
+    check_partition_mode,
+    layout_unit,
+    seq_lengths,
+)
 
 __all__ = ["CPAttentionError", "SeqLayout", "a2a_gather_permutation", "check_cu_seqlens"]
 
@@ -19,7 +25,8 @@ CPAttentionError = ShardingError
 
 
 def check_cu_seqlens(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, name: str = "q"
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, name: str = "q",
+    cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
 ) -> None:
     """Validate packed-sequence metadata; raise :class:`CPAttentionError` naming the problem."""
     for label, cu in ((f"cu_seqlens_{name}", cu_seqlens),
@@ -34,30 +41,36 @@ def check_cu_seqlens(
             "sequences"
         )
     real, padded = seq_lengths(cu_seqlens), seq_lengths(cu_seqlens_padded)
+    unit = layout_unit(cp_size, cp_partition_mode)
+    rule = "2*cp_size" if cp_partition_mode == "zigzag" else "cp_size"
     for i, (n, p) in enumerate(zip(real, padded)):
         if p < n:
             raise CPAttentionError(
                 f"sequence {i}: padded length {p} < real length {n} in cu_seqlens_{name}_padded"
             )
-        if p % (2 * cp_size):
+        if p % unit:
             raise CPAttentionError(
-                f"sequence {i}: padded length {p} is not a multiple of 2*cp_size={2 * cp_size}; "
-                "every packed sequence must be padded to a multiple of 2*CP (nothing is "
-                "truncated silently). Pad with megatron_hcp.sharding.pad_thd and "
-                f"pass its cu_seqlens as cu_seqlens_{name}_padded"
+                f"sequence {i}: padded length {p} is not a multiple of {rule}={unit}; in the "
+                f"{cp_partition_mode} layout every packed sequence must be padded to a multiple "
+                f"of {rule} (nothing is truncated silently). Pad with "
+                "megatron_hcp.sharding.pad_thd (same cp_partition_mode) and pass its cu_seqlens "
+                f"as cu_seqlens_{name}_padded"
             )
 
 
 @lru_cache(maxsize=256)
-def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int
-                 ) -> tuple[torch.Tensor, ...]:
-    """Per-token sequence id, position, validity and the two halves' token indices."""
+def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int,
+                 mode: str) -> tuple[torch.Tensor, ...]:
+    """Per-token sequence id, position, validity and the two halves' token indices (the
+    contiguous layout has one piece per sequence: all of it is the "first half")."""
     seq_ids, positions, first, second = [], [], [], []
     offset = 0
-    mirror = 2 * cp - 1 - position
+    unit = layout_unit(cp, mode)
+    pieces = ((position, first), (2 * cp - 1 - position, second)) if mode == "zigzag" else (
+        (position, first),)
     for i, p in enumerate(padded):
-        c = p // (2 * cp)
-        for chunk, bucket in ((position, first), (mirror, second)):
+        c = p // unit
+        for chunk, bucket in pieces:
             pos = torch.arange(chunk * c, (chunk + 1) * c)
             positions.append(pos)
             seq_ids.append(torch.full((c,), i))
@@ -77,20 +90,26 @@ class SeqLayout:
     """Where the tokens of one CP position sit (``thd``: per sequence; else one sequence).
 
     ``padded[i]`` / ``real[i]``: padded and real length of sequence i; ``cp``/``position``:
-    the chunking (``2*cp`` chunks) and which CP position this layout describes. Local tokens of
-    sequence i are its first half (chunk ``position``) then its second half (chunk
-    ``2*cp-1-position``), sequences one after another.
+    the chunking and which CP position this layout describes; ``mode``: the partition layout.
+    Zigzag (``2*cp`` chunks): local tokens of sequence i are its first half (chunk
+    ``position``) then its second half (chunk ``2*cp-1-position``); contiguous (``cp``
+    slices): slice ``position``. Sequences one after another.
     """
 
     padded: tuple[int, ...]
     real: tuple[int, ...]
     cp: int
     position: int
+    mode: str = DEFAULT_CP_PARTITION_MODE
+
+    def __post_init__(self) -> None:
+        check_partition_mode(self.mode)
 
     @classmethod
-    def dense(cls, seq_len_local: int, cp: int, position: int) -> SeqLayout:
+    def dense(cls, seq_len_local: int, cp: int, position: int,
+              mode: str = DEFAULT_CP_PARTITION_MODE) -> SeqLayout:
         full = seq_len_local * cp
-        return cls((full,), (full,), cp, position)
+        return cls((full,), (full,), cp, position, mode)
 
     @property
     def local_tokens(self) -> int:
@@ -105,13 +124,18 @@ class SeqLayout:
         """One unpadded sequence: halves are slices and no mask is needed."""
         return len(self.padded) == 1 and not self.has_padding
 
+    @property
+    def contiguous(self) -> bool:
+        return self.mode == "contiguous"
+
     def at(self, cp: int, position: int) -> SeqLayout:
-        return SeqLayout(self.padded, self.real, cp, position)
+        return SeqLayout(self.padded, self.real, cp, position, self.mode)
 
     @property
     def _meta(self) -> tuple[torch.Tensor, ...]:
         # every ring step asks for another position's layout: compute each one once
-        return _layout_meta(self.padded, self.real, self.cp, self.position)
+        return _layout_meta(self.padded, self.real, self.cp, self.position, self.mode)
+
     @property
     def seq_id(self) -> torch.Tensor:
         return self._meta[0]
@@ -125,26 +149,36 @@ class SeqLayout:
         return self._meta[2]
 
     def half(self, which: str) -> slice | torch.Tensor:
-        """Local token selector of the ``"first"``/``"second"`` half, or ``"all"``."""
+        """Local token selector of the ``"first"``/``"second"`` half (zigzag), or ``"all"``."""
         n = self.local_tokens
         if which == "all":
             return slice(0, n)
+        if self.contiguous:
+            raise ValueError("the contiguous layout has no halves")
         if self.is_dense:
             return slice(0, n // 2) if which == "first" else slice(n // 2, n)
         return self._meta[3] if which == "first" else self._meta[4]
 
 
 def a2a_gather_permutation(layout: SeqLayout, a2a_size: int) -> torch.Tensor:
-    """Index that turns the a2a-gathered sequence into the two-halves layout one level up.
+    """Index that turns the a2a-gathered sequence into the same layout one level up.
 
     After the a2a, the shards of the a2a group (flat CP positions ``P*a + i``, i = 0..a-1) are
     concatenated in a2a order; the result must be the layout of CP size ``cp/a`` at position
-    ``P``: per sequence, the first halves of i = 0..a-1, then the second halves of i = a-1..0
-    (chunks ``P*a .. P*a+a-1`` and their mirror images, in increasing order).
+    ``P``. Zigzag: per sequence, the first halves of i = 0..a-1, then the second halves of
+    i = a-1..0 (chunks ``P*a .. P*a+a-1`` and their mirror images, in increasing order).
+    Contiguous: per sequence, the slices of i = 0..a-1 (slice ``P`` of ``cp/a``).
     """
     local = layout.local_tokens
     out = []
     offset = 0
+    if layout.contiguous:
+        for p in layout.padded:
+            c = p // layout.cp
+            out += [torch.arange(i * local + offset, i * local + offset + c)
+                    for i in range(a2a_size)]
+            offset += c
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
     for p in layout.padded:
         c = p // (2 * layout.cp)
         for i in range(a2a_size):
