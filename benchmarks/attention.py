@@ -15,6 +15,15 @@ For each comm type and CP size, on local gloo ranks (CPU, fp32, causal, batch 1)
 Run: ``.venv/bin/python benchmarks/attention.py [--seq 4096 --heads 8 --kv-heads 8 --dim 64]
 [--window 256]``
 
+``--layouts`` compares the two CP partition layouts (``cp_partition_mode``) on the p2p ring:
+zigzag (chunks r and 2cp-1-r) against contiguous (slice r), causal, for sliding windows of S/64,
+S/16 and S/4 tokens and full causal, at CP 2, 4 and 8 (8 gloo ranks): bytes sent per rank
+(forward + backward, ``CommCounter``, max over ranks) against the analytic count of a ring that
+runs ``reach`` steps (contiguous under a window: the slices the window reaches back; zigzag
+always needs both neighbours, so the whole ring), and the score entries computed per rank (max,
+mean and max/mean: the contiguous layout's causal imbalance is in the table).
+``.venv/bin/python benchmarks/attention.py --layouts [--seq 4096 --heads 8 --dim 64]``
+
 ``--device cuda`` (one GPU) measures instead the backend's compute per CP block
 (:mod:`megatron_hcp.attention.reference.block_cost`): every rank's blocks, forward + backward,
 replayed one rank after the other on the GPU without communication, summed over the ranks,
@@ -45,6 +54,7 @@ from megatron_hcp.attention.reference import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.block_cost import measure_block_cost  # noqa: E402
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
+from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
@@ -165,6 +175,79 @@ def baseline(s: int, h: int, hkv: int, d: int, repeats: int,
     return best
 
 
+LAYOUT_CPS = (2, 4, 8)
+LAYOUT_WINDOWS = (64, 16, 4, None)  # S / this many tokens; None: full causal
+MODES = ("zigzag", "contiguous")
+
+
+def analytic_ring_bytes(n: int, s: int, hkv: int, d: int, reach: int) -> int:
+    """Bytes one rank sends on a p2p ring of ``reach`` steps, forward + backward (fp32): K/V
+    forward ``reach`` times, again in backward, and dK/dV ``reach`` hops on plus one home."""
+    local_kv = 2 * (s // n) * hkv * d
+    return 4 * local_kv * (3 * reach + (reach > 0))
+
+
+def expected_reach(mode: str, n: int, s: int, window: tuple[int, int] | None) -> int:
+    return ring_reach(SeqLayout.dense(s // n, n, 0, mode), True, window)
+
+
+def layout_rank_run(mode: str, n: int, s: int, h: int, d: int,
+                    window: tuple[int, int] | None) -> dict | None:
+    """One rank of a CP group of ``n`` (the first group is measured, the others wait): bytes
+    sent and score entries computed, forward + backward, on the p2p ring in ``mode``."""
+    flat = [list(range(st, st + n)) for st in range(0, dist.get_world_size(), n)]
+    group = new_groups(flat)
+    try:
+        rank = dist.get_rank()
+        if rank >= n:
+            dist.barrier()
+            return None
+        gen = torch.Generator().manual_seed(rank)
+        q, k, v, dout = (torch.randn(1, s // n, h, d, generator=gen) for _ in range(4))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        with CommCounter() as counter, BlockCounter() as blocks:
+            out = context_parallel_attention(q, k, v, cp_comm_type="p2p", cp_group=group,
+                                             window_size=window, cp_partition_mode=mode)
+            out.backward(dout)
+        dist.barrier()
+        return {"bytes": counter.bytes(), "entries": blocks.pairs}
+    finally:
+        destroy_groups([group])
+
+
+def layout_table(world: LocalWorld, s: int, h: int, d: int,
+                 cps: tuple[int, ...] = LAYOUT_CPS,
+                 windows: tuple[int | None, ...] = LAYOUT_WINDOWS) -> list[dict]:
+    """Rows of the ``--layouts`` table: per window, CP size and layout, the measured and
+    analytic bytes per rank and the score entries per rank (max, mean)."""
+    rows = []
+    for div in windows:
+        window = None if div is None else (s // div, 0)
+        for n in cps:
+            for mode in MODES:
+                res = [r for r in world.run(layout_rank_run, mode, n, s, h, d, window) if r]
+                entries = [r["entries"] for r in res]
+                reach = expected_reach(mode, n, s, window)
+                rows.append({
+                    "window": "causal" if div is None else f"S/{div}", "cp": n, "mode": mode,
+                    "bytes": max(r["bytes"] for r in res), "reach": reach,
+                    "analytic": analytic_ring_bytes(n, s, h, d, reach),
+                    "max_entries": max(entries), "mean_entries": sum(entries) / len(entries)})
+    return rows
+
+
+def print_layout_table(rows: list[dict], s: int, h: int, d: int) -> None:
+    print(f"p2p ring, S={s} heads={h} d={d} fp32 causal, batch 1: zigzag vs contiguous")
+    header = (f"{'window':>7} {'CP':>3} {'layout':<10} {'ring steps':>10} {'bytes/rank':>12} "
+              f"{'analytic':>12} {'max entries':>12} {'mean':>12} {'max/mean':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['window']:>7} {r['cp']:>3} {r['mode']:<10} {r['reach'] + 1:>10} "
+              f"{r['bytes']:>12,} {r['analytic']:>12,} {r['max_entries']:>12,} "
+              f"{r['mean_entries']:>12,.0f} {r['max_entries'] / r['mean_entries']:>8.2f}")
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GOAL = 1.15  # CP blocks / one SDPA call, summed over the ranks' work (issue 27)
 
@@ -207,6 +290,9 @@ def main() -> None:
                         "the median inflation and its range")
     parser.add_argument("--window", type=int, default=None,
                         help="sliding window (LEFT, 0): blocks outside it are skipped (cpu)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="zigzag vs contiguous on the p2p ring: bytes and score entries per "
+                        "rank for windows S/64, S/16, S/4 and full causal at CP 2/4/8 (cpu)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     s = args.seq or (32768 if gpu else 4096)
@@ -220,6 +306,10 @@ def main() -> None:
             parser.error("--window: the --device cuda block replay measures dense causal "
                          "blocks only (windowed blocks take the math path)")
         print("\n".join(gpu_block_table(s, h, hkv, d, args.dtype, args.cp, args.repeats)))
+        return
+    if args.layouts:
+        with LocalWorld(max(LAYOUT_CPS), timeout_s=1200) as world:
+            print_layout_table(layout_table(world, s, h, d), s, h, d)
         return
     window = None if args.window is None else (args.window, 0)
     print(f"S={s} heads={h} kv_heads={hkv} d={d} fp32 causal, batch 1, CPU, 1 thread per rank"

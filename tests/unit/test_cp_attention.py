@@ -672,3 +672,22 @@ def test_pad_thd_pads_each_sequence():
 def test_world_errors_are_reported(world):
     with pytest.raises(RankError):
         world.run(math.sqrt, -1.0)
+
+
+def test_benchmark_layout_table_counts_bytes_and_work_per_rank(world):
+    """benchmarks/attention.py --layouts on 4 ranks, small: every row's bytes equal the
+    analytic count of its ring; the contiguous layout under a window sends less than zigzag;
+    its full causal load is imbalanced (rank 3 runs 4 blocks, the mean 2.5), zigzag's is not."""
+    from benchmarks.attention import layout_table
+
+    rows = layout_table(world, s=256, h=2, d=8, cps=(2, 4), windows=(64, 4, None))
+    assert len(rows) == 3 * 2 * 2
+    assert all(r["bytes"] == r["analytic"] for r in rows), rows
+    at = {(r["window"], r["cp"], r["mode"]): r for r in rows}
+    for window in ("S/64", "S/4"):
+        assert at[(window, 4, "contiguous")]["bytes"] < at[(window, 4, "zigzag")]["bytes"]
+    assert at[("S/64", 4, "contiguous")]["reach"] == 1 and at[("S/4", 4, "zigzag")]["reach"] == 3
+    full = at[("causal", 4, "contiguous")]
+    assert full["max_entries"] / full["mean_entries"] == 4 / 2.5  # blocks 1..4 against 2.5
+    zig = at[("causal", 4, "zigzag")]
+    assert zig["max_entries"] == zig["mean_entries"]
