@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -261,7 +262,8 @@ class LayerComm:
 
 def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: int,
                      comm_type: str, cp_ranks: Sequence[int],
-                     a2a_ranks: Sequence[int] = (), p2p_ranks: Sequence[int] = ()) -> LayerComm:
+                     a2a_ranks: Sequence[int] = (), p2p_ranks: Sequence[int] = (),
+                     cp_partition_mode: str = "zigzag") -> LayerComm:
     """Exposed CP traffic of one layer for a sequence of ``length`` on one rank.
 
     ``c = len(cp_ranks)``; a rank holds ``L/c`` tokens and ``nq/tp`` query, ``nkv/tp`` KV heads
@@ -277,6 +279,11 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
       then ``p-1`` ring steps over ``p2p_ranks``, each beside ``1/p`` of the attention.
     * ``all_gather``: all-gather of K and V (``2 L (nkv/tp) head_dim B`` gathered), not
       overlapped; backward gathers again and reduce-scatters dK/dV.
+
+    ``cp_partition_mode="contiguous"`` with a causal sliding window (``workload.window``): a
+    ring of ``n`` ranks (slices of ``L/n`` tokens) runs only the ``ceil(window / (L/n))`` steps
+    the window reaches back, and dK/dV then go home in one more hop (not overlapped); zigzag
+    needs both neighbours, so its ring stays whole.
     """
     c = len(cp_ranks)
     if c <= 1:
@@ -293,9 +300,18 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
         steps = len(ranks) - 1
         if steps <= 0:
             return LayerComm()
+        home = 0.0
+        if (cp_partition_mode == "contiguous" and workload.window is not None
+                and workload.causal and length > 0):
+            reach = math.ceil(workload.window / (length / len(ranks)))
+            if reach < steps:
+                steps = reach
+                home = p2p_seconds(cluster, kv_chunk, ranks) if reach else 0.0
+        if steps <= 0:
+            return LayerComm()
         fwd = overlapped_seconds(p2p_seconds(cluster, kv_chunk, ranks), attn_fwd * share)
         bwd = overlapped_seconds(p2p_seconds(cluster, 2 * kv_chunk, ranks), 2 * attn_fwd * share)
-        return LayerComm(steps * fwd, steps * bwd)
+        return LayerComm(steps * fwd, steps * bwd + home)
 
     def a2a(ranks: Sequence[int]) -> LayerComm:
         held = (length / c) * d * (2 * nq + 2 * nkv) * b

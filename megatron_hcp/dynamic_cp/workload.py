@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["GPTWorkload", "ScheduleError", "min_group_size", "tokens_per_rank"]
+__all__ = ["GPTWorkload", "ScheduleError", "causal_pairs", "min_group_size", "partition_load",
+           "tokens_per_rank"]
 
 
 class ScheduleError(ValueError):
@@ -45,6 +46,42 @@ def min_group_size(length: int, cap: int, world: int, min_size: int = 1) -> int:
     )
 
 
+def causal_pairs(start: int, stop: int, window: int | None = None) -> int:
+    """Score entries of the queries at positions ``start .. stop-1`` of a causal sequence: query
+    ``i`` sees ``min(i, window) + 1`` keys (``window``: a sliding window of that many tokens
+    back; None: unbounded)."""
+    def upto(n: int) -> int:  # entries of the queries 0 .. n-1
+        if window is None or n <= window + 1:
+            return n * (n + 1) // 2
+        w = window + 1
+        return w * (w + 1) // 2 + (n - w) * w
+
+    return upto(stop) - upto(start)
+
+
+def partition_load(length: int, cp: int, mode: str = "zigzag", window: int | None = None
+                   ) -> float:
+    """Max over mean of the causal attention entries of the ``cp`` ranks of one sequence in a
+    CP partition layout (``cp_partition_mode``): zigzag (chunks r and 2cp-1-r) balances them
+    (1.0); contiguous (slice r) gives the last rank up to ``(2cp-1)/cp`` of the mean without a
+    window, about 1.0 with a window shorter than a slice. The critical path of a CP group's
+    attention is the mean work times this."""
+    if cp <= 1 or length <= 0 or (mode == "zigzag" and window is None):
+        return 1.0  # zigzag's chunks balance causal work exactly
+    if mode == "zigzag":
+        u = length / (2 * cp)
+        spans = [[(r * u, (r + 1) * u), ((2 * cp - 1 - r) * u, (2 * cp - r) * u)]
+                 for r in range(cp)]
+    elif mode == "contiguous":
+        s = length / cp
+        spans = [[(r * s, (r + 1) * s)] for r in range(cp)]
+    else:
+        raise ValueError(f"cp_partition_mode={mode!r}: use zigzag or contiguous")
+    work = [sum(causal_pairs(round(a), round(b), window) for a, b in rank) for rank in spans]
+    mean = sum(work) / cp
+    return max(work) / mean if mean else 1.0
+
+
 @dataclass(frozen=True)
 class GPTWorkload:
     """Per-rank training cost of a GPT sequence; ``mode`` ``flops`` or ``seq_squared``."""
@@ -59,6 +96,8 @@ class GPTWorkload:
     mode: Literal["flops", "seq_squared"] = "flops"
     #: head dimension when it is not hidden / heads (megatron's ``kv_channels``)
     kv_channels: int | None = None
+    #: a causal sliding window of this many tokens back (megatron's ``window_size[0]``)
+    window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -82,6 +121,9 @@ class GPTWorkload:
 
     def attention_flops(self, length: int) -> float:
         full = 4.0 * length * length * self.query_width  # QK^T and PV
+        if self.window is not None and self.causal and self.window + 1 < length:
+            entries = causal_pairs(0, length, self.window)  # a band, not a triangle
+            return 3.0 * self.num_layers * 4.0 * entries * self.query_width
         return 3.0 * self.num_layers * (full / 2 if self.causal else full)
 
     def logits_flops_per_token(self, vocab_size: int) -> float:

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab", type=count("vocab", "--vocab"), default=None,
                    help="default 32000")
     m.add_argument("--tied-embeddings", action="store_true", default=None)
+    m.add_argument("--window", type=count("seqlen", "--window"), default=None,
+                   help="causal sliding window of this many tokens back (megatron's "
+                   "--window-size W 0): attention FLOPs of a band; ring layouts are also "
+                   "estimated in the contiguous CP layout (cp_partition_mode)")
     b = p.add_argument_group("batch (one of --seq-length, --lengths, --lognormal)")
     b.add_argument("--seq-length", type=argument_type("int", "--seq-length", minimum=2,
                                                       maximum=MAX_SEQ_LENGTH), default=None)
@@ -101,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-distributed-optimizer", action="store_true")
     o.add_argument("--tp-comm-overlap", action="store_true")
     o.add_argument("--te-version", type=argument_type("version", "--te-version"), default="2.8")
+    o.add_argument("--attention-backend", default="te", choices=["te", "reference"],
+                   help="CP attention backend: te (zigzag layout only) or megatron-hcp's "
+                   "reference backend (both layouts)")
     o.add_argument("--tie-tolerance", type=number("--tie-tolerance", minimum=0.0, maximum=0.99),
                    default=0.02)
     o.add_argument("--max-tp", type=count("size", "--max-tp"), default=None,
@@ -134,7 +141,8 @@ def _build(args: argparse.Namespace):
     for arg, name in (("layers", "num_layers"), ("hidden", "hidden_size"),
                       ("ffn", "ffn_hidden_size"), ("heads", "num_attention_heads"),
                       ("kv_heads", "num_query_groups"), ("head_dim", "kv_channels"),
-                      ("vocab", "vocab_size"), ("gated_mlp", "gated_mlp")):
+                      ("vocab", "vocab_size"), ("gated_mlp", "gated_mlp"),
+                      ("window", "window")):
         if getattr(args, arg) is not None:
             base[name] = getattr(args, arg)
     if args.tied_embeddings:
@@ -195,6 +203,7 @@ def _build(args: argparse.Namespace):
                       grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                       distributed_optimizer=not args.no_distributed_optimizer,
                       tp_comm_overlap=args.tp_comm_overlap, te_version=args.te_version,
+                      attention_backend=args.attention_backend,
                       tie_tolerance=args.tie_tolerance, max_tp=args.max_tp)
     return model, batch, cluster, options
 

@@ -22,7 +22,12 @@ from ..dynamic_cp.projection import (
     tp_layer_seconds,
 )
 from ..dynamic_cp.scheduler import schedule
-from ..dynamic_cp.workload import ScheduleError, min_group_size, tokens_per_rank
+from ..dynamic_cp.workload import (
+    ScheduleError,
+    min_group_size,
+    partition_load,
+    tokens_per_rank,
+)
 from ..parallel_state.layout import ParallelLayout
 from .inputs import Batch, ModelSpec, Options
 
@@ -73,6 +78,7 @@ class Layout:
     min_cp: int = 1
     cap: int | None = None
     vp: int = 1  # virtual pipeline (interleaved 1F1B) model chunks per stage
+    mode: str = "zigzag"  # the CP partition layout (cp_partition_mode)
 
     @property
     def label(self) -> str:
@@ -84,7 +90,8 @@ class Layout:
                                      + (f" cap{self.cap}" if self.cap else "")])
         if self.cp > 1:
             parts.append(f"CP{self.cp} {self.cp_comm_type}"
-                         + (f" [{self.hcp[0]},{self.hcp[1]}]" if self.hcp else ""))
+                         + (f" [{self.hcp[0]},{self.hcp[1]}]" if self.hcp else "")
+                         + (f" {self.mode}" if self.mode != "zigzag" else ""))
         parts.append(f"DP{self.dp}")
         return " ".join(parts)
 
@@ -99,7 +106,9 @@ class Layout:
             dynamic_context_parallel=self.dynamic,
             min_dynamic_context_parallel_size=self.min_cp,
             max_seqlen_per_dp_cp_rank=self.cap, calculate_per_token_loss=True
-            if self.dynamic else None, cp_attention_backend="te", te_version=options.te_version)
+            if self.dynamic else None, cp_attention_backend=options.attention_backend,
+            te_version=options.te_version, cp_partition_mode=self.mode,
+            window_size=None if model.window is None else [model.window, 0])
 
 
 @dataclass
@@ -147,12 +156,19 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
             for cp in _divisors(rest):
                 dp = rest // cp
                 seq = batch.max_length if batch.fixed else _round_up(batch.max_length, 2 * cp)
-                kinds: list[tuple[str | None, tuple[int, int] | None]] = [(None, None)]
+                kinds: list[tuple[str | None, tuple[int, int] | None, str]] = [
+                    (None, None, "zigzag")]
                 if cp > 1:
                     kinds = [("p2p", None), ("all_gather", None), ("a2a", None)]
                     kinds += [("a2a+p2p", (a, cp // a)) for a in _divisors(cp) if 1 < a < cp]
-                for kind, hcp in kinds:
-                    layout = Layout(tp, cp, pp, dp, kind, hcp, seq)
+                    # a windowed model: the ring layouts also in the contiguous layout, whose
+                    # ring stops at the window's reach (TE refuses it: rejected, named)
+                    modes = ("zigzag", "contiguous") if model.window is not None else (
+                        "zigzag",)
+                    kinds = [(k, h, m) for k, h in kinds for m in modes
+                             if m == "zigzag" or k in ("p2p", "a2a+p2p")]
+                for kind, hcp, mode in kinds:
+                    layout = Layout(tp, cp, pp, dp, kind, hcp, seq, mode=mode)
                     if batch.fixed and len(batch.lengths) % dp:
                         rejected.append((layout, f"global batch {len(batch.lengths)} is not "
                                                  f"divisible by DP={dp}"))
@@ -277,9 +293,12 @@ class _Costs:
             logits = length / c * w.logits_flops_per_token(self.model.vocab_size) / t
             gemm = (linear + logits) / self.cluster.flops_per_second
             attention = w.attention_flops(length) / (c * t) * again / self.cluster.attention_rate
-            comm = cp_layer_seconds(w, self.cluster, length, t, self.layout.cp_comm_type or "p2p",
-                                    ranks, self.a2a_ranks, self.p2p_ranks) if c > 1 else \
-                LayerComm()
+            kind = self.layout.cp_comm_type or "p2p"
+            if c > 1 and kind != "a2a":  # the busiest rank's share of the causal work
+                ring = len(self.p2p_ranks) if kind == "a2a+p2p" else c
+                attention *= partition_load(length, ring, self.layout.mode, w.window)
+            comm = cp_layer_seconds(w, self.cluster, length, t, kind, ranks, self.a2a_ranks,
+                                    self.p2p_ranks, self.layout.mode) if c > 1 else LayerComm()
             cp = w.num_layers * ((2 if full else 1) * comm.forward + comm.backward)
             self._cache[key] = (gemm, attention, cp)
         return self._cache[key]

@@ -57,13 +57,15 @@ class ModelSpec:
     kv_channels: int | None = None
     vocab_size: int = 32000
     untie_embeddings: bool = True
+    #: a causal sliding window of this many tokens back (megatron's window_size[0]); None: none
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanInputError(f"model {name}={value!r} must be a positive integer")
-        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels", "window"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise PlanInputError(f"model {name}={value!r} must be a positive integer")
@@ -88,7 +90,7 @@ class ModelSpec:
         return GPTWorkload(num_layers=self.num_layers, hidden_size=self.hidden_size,
                            ffn_hidden_size=self.ffn, num_attention_heads=self.num_attention_heads,
                            num_query_groups=self.num_query_groups, gated_mlp=self.gated_mlp,
-                           kv_channels=self.kv_channels)
+                           kv_channels=self.kv_channels, window=self.window)
 
     def params_per_layer(self) -> int:
         """QKV + output projection + MLP + two norms (biases ignored)."""
@@ -196,6 +198,9 @@ class Options:
     grad_reduce_in_bf16: bool = False  # bf16 main grads (megatron: fp32 with --bf16)
     tp_comm_overlap: bool = False
     te_version: str = "2.8"
+    #: the CP attention backend: Transformer Engine (zigzag layout only) or megatron-hcp's
+    #: reference backend (both CP partition layouts)
+    attention_backend: str = "te"
     tie_tolerance: float = 0.02
     max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
     min_dynamic_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -208,6 +213,9 @@ class Options:
         if self.fsdp and not self.distributed_optimizer:
             raise PlanInputError("--fsdp shards the optimizer itself; drop "
                                  "--no-distributed-optimizer")
+        if self.attention_backend not in ("te", "reference"):
+            raise PlanInputError(f"--attention-backend {self.attention_backend!r}: use te or "
+                                 "reference")
         if not 0 <= self.tie_tolerance < 1:
             raise PlanInputError(f"--tie-tolerance {self.tie_tolerance} must be in [0, 1)")
 

@@ -178,6 +178,10 @@ DYNAMIC_LAYOUTS = {  # layout -> (overrides, the static CP=1 run it must equal)
     "dp4_cp1": (DYNAMIC, []),  # DPxCP 4 with no static CP: groups from DP ranks alone
     "cp4_decentralized": (["model.context_parallel_size=4", *DYNAMIC, *DECENTRALIZED], []),
     "hcp_2x2": (HCP + DYNAMIC, []),
+    # the contiguous layout (upstream's model.cp_partition_mode, set on the provider): packed
+    # sequences cut into slices per dynamic group, RoPE by the slices' positions
+    "cp4_contiguous": (["model.context_parallel_size=4", "model.cp_comm_type=p2p", *DYNAMIC,
+                        "model.cp_partition_mode=contiguous"], []),
     "tp2_sp_cp2": (TP2 + ["model.context_parallel_size=2", *DYNAMIC2], TP2),
     "pp2_cp2": (PP2 + ["model.context_parallel_size=2", *DYNAMIC2], PP2),
     "pp2_vpp2_cp2_dev_names": (
@@ -246,6 +250,9 @@ def test_without_the_hook_pipelining_trains_static_cp_silently_and_with_it_dynam
       "model.moe_token_dispatcher_type=alltoall"], "model.variable_seq_lengths"),
     (["model.context_parallel_size=4", "model.cp_comm_type=a2a",
       "model.num_query_groups=3"], "num_query_groups"),
+    # Bridge's own batch step cuts zigzag: static CP in the contiguous layout is refused
+    (["model.context_parallel_size=2", "model.cp_partition_mode=contiguous"],
+     "model.cp_partition_mode"),
 ])
 def test_bad_cp_configs_are_refused_on_every_rank_before_any_process_group(world, sft_dir,
                                                                            overrides, named):

@@ -127,3 +127,22 @@ def test_the_cap_check_counts_sequence_parallel_padding():
 def test_one_replica_is_the_default_world():
     config = cp_config_from_bridge(_model(tensor_model_parallel_size=2, context_parallel_size=2))
     assert config.world_size == 4 and config.data_parallel_size == 1
+
+
+def test_the_partition_layout_is_read_and_bridges_static_cp_refuses_contiguous():
+    """model.cp_partition_mode (upstream's name, an attribute on 0.19's provider) reaches the
+    CPConfig; Bridge's own batch step cuts zigzag, so static CP in the contiguous layout is a
+    named error, while dynamic CP (megatron-hcp packs the batches) takes it."""
+    config = cp_config_from_bridge(_model(context_parallel_size=2, cp_partition_mode="contiguous"))
+    assert config.cp_partition_mode == "contiguous"
+    with pytest.raises(CPConfigError) as info:
+        prepare_config(_cfg(context_parallel_size=2, cp_partition_mode="contiguous"),
+                       world_size=4)
+    (v,) = info.value.violations
+    assert v.parameter == "model.cp_partition_mode" and "zigzag" in v.rule
+    dynamic = prepare_config(_cfg(context_parallel_size=2, hybrid_context_parallel=True,
+                                  max_seqlen_per_dp_cp_rank=64, cp_partition_mode="contiguous"),
+                             world_size=4)
+    assert dynamic.dynamic and dynamic.cp_partition_mode == "contiguous"
+    with pytest.raises(CPConfigError, match="model.cp_partition_mode"):
+        prepare_config(_cfg(context_parallel_size=2, cp_partition_mode=3), world_size=4)

@@ -32,6 +32,46 @@ def test_pack_thd_cuts_the_padded_sequences_for_every_rank(cp):
         start += p
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_pack_thd_in_the_contiguous_layout(cp, monkeypatch):
+    """Sequences padded to a multiple of cp (not 2cp), rank r holding slice r of each; on a
+    megatron-core whose PackedSeqParams has upstream's cp_partition_mode field the layout
+    travels on it (and the attention reads it there); on 0.16/0.19 it has no such field."""
+    import dataclasses
+
+    import megatron.core.packed_seq_params as psp
+
+    from megatron_hcp.attention.partition import partition_mode
+    from megatron_hcp.dynamic_cp.packing import carries_partition_mode
+
+    lengths = [5, 16, 9]
+    samples = [varlen_sample(3, 0, i, n, 50) for i, n in enumerate(lengths)]
+    parts = [pack_thd(samples, cp, r, cp_partition_mode="contiguous") for r in range(cp)]
+    cu_pad = parts[0].packed_seq_params.cu_seqlens_q_padded
+    padded = [padded_length(n, cp, cp_partition_mode="contiguous") for n in lengths]
+    assert cu_pad.diff().tolist() == padded and all(p % cp == 0 for p in padded)
+    assert padded != [padded_length(n, cp) for n in lengths]  # less than zigzag's
+    full = assemble_from_chunks([p.tokens[0] for p in parts], "thd", cu_pad,
+                                cp_partition_mode="contiguous")
+    start = 0
+    for sample, n, p in zip(samples, lengths, padded):
+        assert torch.equal(full[start:start + n], sample[0])
+        start += p
+    slice_of_rank1 = parts[1].tokens[0][:padded[0] // cp]
+    assert torch.equal(slice_of_rank1[: max(0, min(5, 2 * padded[0] // cp) - padded[0] // cp)],
+                       samples[0][0][padded[0] // cp:min(5, 2 * padded[0] // cp)])
+    assert not carries_partition_mode(psp.PackedSeqParams)
+
+    @dataclasses.dataclass
+    class UpstreamParams(psp.PackedSeqParams):
+        cp_partition_mode: str = "zigzag"
+
+    monkeypatch.setattr(psp, "PackedSeqParams", UpstreamParams)
+    params = pack_thd(samples, cp, 0, cp_partition_mode="contiguous").packed_seq_params
+    assert params.cp_partition_mode == "contiguous" and partition_mode(None, params) == (
+        "contiguous")
+
+
 def test_dynamic_pack_carries_its_group_and_size():
     sample = varlen_sample(3, 0, 0, 7, 50)
     one = pack_thd([sample], 1, 0, dynamic=True).packed_seq_params

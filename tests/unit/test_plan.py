@@ -19,7 +19,12 @@ from megatron_hcp.dynamic_cp.projection import (
     overlapped_seconds,
     pipeline_bubble_seconds,
 )
-from megatron_hcp.dynamic_cp.workload import GPTWorkload, tokens_per_rank
+from megatron_hcp.dynamic_cp.workload import (
+    GPTWorkload,
+    causal_pairs,
+    partition_load,
+    tokens_per_rank,
+)
 from megatron_hcp.planner import Batch, ModelSpec, Options, plan
 from megatron_hcp.planner.estimate import (
     Layout,
@@ -254,6 +259,65 @@ def test_ring_layer_seconds_by_hand():
                            a2a_ranks=[0, 1, 2, 3], p2p_ranks=[0, 4])
     a2a = 2e-6 + (length / 8) * 128 * 24 * 2 * 3 / 4 / 100e9
     assert got.forward == pytest.approx(a2a + 20e-6 + chunk / 10e9)
+
+
+def test_contiguous_window_ring_by_hand():
+    """The contiguous layout under a causal window of 1024 tokens: slices of 1024 (8 ranks, L
+    8192) reach one back, so the ring runs 1 step, and dK/dV one more hop home in backward;
+    zigzag (needs both neighbours) and the contiguous layout without a window run 7."""
+    length, c = 8192, 8
+    chunk = 2 * (length / c) * 4 * 128 * 2
+    step = 20e-6 + chunk / 10e9
+    windowed = GPTWorkload(num_layers=2, hidden_size=1024, num_attention_heads=8,
+                           num_query_groups=4, window=1024)
+    got = cp_layer_seconds(windowed, INSTANT, length, 1, "p2p", list(range(8)),
+                           cp_partition_mode="contiguous")
+    assert got.forward == pytest.approx(step)
+    assert got.backward == pytest.approx((20e-6 + 2 * chunk / 10e9) + step)
+    for workload, mode in ((windowed, "zigzag"), (W, "contiguous")):
+        got = cp_layer_seconds(workload, INSTANT, length, 1, "p2p", list(range(8)),
+                               cp_partition_mode=mode)
+        assert got.forward == pytest.approx(7 * step)
+
+
+def test_partition_load_and_windowed_attention_flops():
+    """zigzag balances causal work; contiguous gives the last of c ranks (2c-1)/c of the mean
+    without a window and about the mean under a window shorter than a slice; a window's
+    attention is a band (L * (W+1) entries less its first triangle)."""
+    assert partition_load(65536, 8) == 1.0
+    assert partition_load(65536, 8, "contiguous") == pytest.approx(15 / 8, rel=1e-3)
+    assert partition_load(65536, 8, "contiguous", 1024) == pytest.approx(1.0, abs=0.02)
+    assert partition_load(65536, 8, "zigzag", 1024) == pytest.approx(1.0, abs=0.02)
+    assert causal_pairs(0, 10, 2) == 1 + 2 + 3 * 8 and causal_pairs(0, 10) == 55
+    windowed = GPTWorkload(num_layers=2, hidden_size=1024, num_attention_heads=8, window=1023)
+    band = 3 * 2 * 4 * (1024 * 1025 // 2 + (65536 - 1024) * 1024) * 1024
+    assert windowed.attention_flops(65536) == pytest.approx(band)
+    assert GPTWorkload(num_layers=2, hidden_size=1024, num_attention_heads=8,
+                       window=10**6).attention_flops(4096) == W.attention_flops(4096)
+
+
+def test_a_windowed_model_is_planned_in_both_layouts():
+    """With a sliding window the ring layouts are also estimated in the contiguous layout: on
+    the reference backend its CP traffic is smaller (the ring stops at the window's reach);
+    Transformer Engine refuses it, and the planner names why."""
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                      num_query_groups=4, vocab_size=32000, window=4096)
+    batch = Batch.fixed_length(131072, 8)
+    cluster = Cluster(nodes=1, gpus_per_node=8)
+    ref = plan(model, batch, cluster, Options(attention_backend="reference"))
+    by_label = {e.layout.label: e for e in ref.ranked}
+    zig, con = by_label["TP1 CP8 p2p DP1"], by_label["TP1 CP8 p2p contiguous DP1"]
+    assert con.breakdown["cp"] < zig.breakdown["cp"]
+    assert con.layout.config(model, Options(attention_backend="reference")).validate() is not None
+    te = plan(model, batch, cluster, Options())
+    assert not any(e.layout.mode == "contiguous" for e in te.ranked)
+    assert any(lay.mode == "contiguous" and "Transformer Engine" in why
+               for lay, why in te.rejected)
+    # without a window the contiguous layout is not proposed (its causal imbalance only costs)
+    plain = plan(ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                           num_query_groups=4), batch, cluster,
+                 Options(attention_backend="reference"))
+    assert not any(e.layout.mode == "contiguous" for e in plain.ranked)
 
 
 def test_overlap_and_collectives_by_hand():

@@ -123,3 +123,24 @@ def test_te_backend_needs_the_te_attention_hcp_patch(monkeypatch, tmp_path):
     forked = _te_class(monkeypatch, tmp_path, "forked", head)
     monkeypatch.setattr(te_ext, "TEDotProductAttention", forked)
     assert core_attention_class("te") is forked
+
+
+def test_te_refuses_the_contiguous_layout_before_te_runs():
+    """TE cuts every sequence zigzag: a CP call in the contiguous layout (from the model config
+    or the micro-batch's PackedSeqParams) is refused by name, never run as zigzag; without CP,
+    or in the zigzag layout, TE is called. The two sources disagreeing is an error too."""
+    from types import SimpleNamespace
+
+    from megatron_hcp.attention.te import TEUnavailableError, require_te_feature
+    from megatron_hcp.sharding import ShardingError
+
+    cp = SimpleNamespace(enabled=True, group=object(), dynamic=False)
+    off = SimpleNamespace(enabled=False, group=None, dynamic=False)
+    contiguous = SimpleNamespace(cp_partition_mode="contiguous")
+    for config, params in ((contiguous, None), (SimpleNamespace(), contiguous)):
+        with pytest.raises(TEUnavailableError, match="cp_partition_mode='contiguous'"):
+            require_te_feature(cp, params, "2.20", config)
+    require_te_feature(off, None, "2.20", contiguous)
+    require_te_feature(cp, None, "2.20", SimpleNamespace(cp_partition_mode="zigzag"))
+    with pytest.raises(ShardingError, match="disagree|another layout"):
+        require_te_feature(cp, SimpleNamespace(cp_partition_mode="zigzag"), "2.20", contiguous)
