@@ -167,6 +167,16 @@ def run_case(comm, fmt, causal, heads, cp, dtype, seed, dv=None, window=None, si
     return errors
 
 
+def refusal(fn, *args, **kwargs) -> str | None:
+    """The message of the input error ``fn`` raises (CPAttentionError is ShardingError), or
+    None when it runs."""
+    try:
+        fn(*args, **kwargs)
+    except ShardingError as err:
+        return str(err)
+    return None
+
+
 def run_cases(cases, device="cpu"):
     return [run_case(*case, device=device) for case in cases]
 
@@ -485,12 +495,8 @@ def conversion_refusals():
                    dict(from_mode="zigzag", to_mode="contiguous", qkv_format="thd",
                         cu_seqlens_padded=torch.tensor([0, 8, 24])),
                    dict(from_mode="contiguous", to_mode="zigzag", cp_group=None)):
-        try:
-            convert_partition(x[0] if kwargs.get("qkv_format") == "thd" else x,
-                              kwargs.pop("cp_group", group), **kwargs)
-            messages.append(None)
-        except ShardingError as err:
-            messages.append(str(err))
+        messages.append(refusal(convert_partition, x[0] if kwargs.get("qkv_format") == "thd"
+                                else x, kwargs.pop("cp_group", group), **kwargs))
     return messages
 
 
@@ -626,11 +632,7 @@ def bad_inputs():
         qq = kwargs.pop("q")
         kk = kwargs.pop("k", None)
         kk = torch.randn(qq.shape[:-2] + (qq.shape[-2],) + qq.shape[-1:]) if kk is None else kk
-        try:
-            context_parallel_attention(qq, kk, kk.clone(), **kwargs)
-            errors.append(None)
-        except CPAttentionError as err:
-            errors.append(str(err))
+        errors.append(refusal(context_parallel_attention, qq, kk, kk.clone(), **kwargs))
     return errors
 
 
