@@ -76,6 +76,11 @@ CASES: dict[str, list[tuple[str, dict, dict, Any]]] = {
     "--context-parallel-size": [(FIXED, {}, {"--context-parallel-size": 2},
                                  tc("context_parallel_size"))],
     "--cp-comm-type": [(FIXED, {}, {"--cp-comm-type": "a2a"}, tc("cp_comm_type"))],
+    "--cp-partition-mode": [(FIXED, {}, {"--cp-partition-mode": "contiguous"},
+                             tc("cp_partition_mode")),
+                            (FIXED, {}, {"--cp-partition-mode": "diagonal"}, REFUSED)],
+    "--window-size": [(FIXED, {}, {"--window-size": [16, 0]}, tc("window_size")),
+                      (FIXED, {}, {"--window-size": [16]}, REFUSED)],
     "--hierarchical-context-parallel-sizes": [
         (FIXED, {"--cp-comm-type": "a2a+p2p", "--hierarchical-context-parallel-sizes": [2, 2]},
          {"--hierarchical-context-parallel-sizes": [1, 4]},
