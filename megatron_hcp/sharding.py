@@ -21,6 +21,7 @@ This module sits below the attention backend, the dynamic-CP packing and the tra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "ShardingError",
     "assemble_from_chunks",
     "check_partition_mode",
+    "contiguous_window_reach",
     "gather_from_cp",
     "get_local_chunk",
     "layout_unit",
@@ -77,6 +79,16 @@ def layout_unit(cp_size: int, cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE
     rank, the attention's two-halves layout) or ``cp`` (contiguous)."""
     cp = max(1, cp_size)
     return 2 * cp if check_partition_mode(cp_partition_mode) == "zigzag" else cp
+
+
+def contiguous_window_reach(slice_tokens: float, left: int, ring_size: int) -> int:
+    """How many slices before its own a rank of the contiguous layout needs under a causal
+    window of ``left`` tokens back, with slices of ``slice_tokens`` on a ring of ``ring_size``:
+    ``ceil(left / slice_tokens)``, at most ``ring_size - 1`` (the zigzag layout needs both
+    neighbours, so its ring is always whole)."""
+    if slice_tokens <= 0:
+        return 0
+    return min(ring_size - 1, math.ceil(left / slice_tokens))
 
 
 def padded_length(length: int, cp_size: int, multiple: int = 1, *,

@@ -11,6 +11,7 @@ load-balanced chunks ``r`` and ``2c-1-r`` of ``2c``, in the contiguous layout sl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..sharding import (
 __all__ = ["carries_partition_mode", "pack_thd"]
 
 
+@functools.cache
 def carries_partition_mode(packed_seq_params_class: type) -> bool:
     """Whether this megatron-core's ``PackedSeqParams`` has upstream's ``cp_partition_mode``
     field (megatron's development branch; no release up to 0.19.2)."""

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..sharding import contiguous_window_reach
 from .workload import GPTWorkload
 
 __all__ = [
@@ -303,7 +303,7 @@ def cp_layer_seconds(workload: GPTWorkload, cluster: Cluster, length: int, tp: i
         home = 0.0
         if (cp_partition_mode == "contiguous" and workload.window is not None
                 and workload.causal and length > 0):
-            reach = math.ceil(workload.window / (length / len(ranks)))
+            reach = contiguous_window_reach(length / len(ranks), workload.window, len(ranks))
             if reach < steps:
                 steps = reach
                 home = p2p_seconds(cluster, kv_chunk, ranks) if reach else 0.0

@@ -57,9 +57,9 @@ def test_pack_thd_in_the_contiguous_layout(cp, monkeypatch):
     for sample, n, p in zip(samples, lengths, padded):
         assert torch.equal(full[start:start + n], sample[0])
         start += p
-    slice_of_rank1 = parts[1].tokens[0][:padded[0] // cp]
-    assert torch.equal(slice_of_rank1[: max(0, min(5, 2 * padded[0] // cp) - padded[0] // cp)],
-                       samples[0][0][padded[0] // cp:min(5, 2 * padded[0] // cp)])
+    c = padded[0] // cp  # rank 1 holds positions c .. 2c-1 of sequence 0 (of 5 real tokens)
+    real = min(5, 2 * c) - c
+    assert real > 0 and torch.equal(parts[1].tokens[0][:real], samples[0][0][c:c + real])
     assert not carries_partition_mode(psp.PackedSeqParams)
 
     @dataclasses.dataclass

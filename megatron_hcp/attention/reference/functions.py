@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...sharding import contiguous_window_reach
 from . import comm
 from .blocks import Block, Window, plan_block, record_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
@@ -135,9 +136,8 @@ def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
     if not layout.contiguous or window is None or window[0] < 0 or not (
             causal or window[1] == 0):
         return p - 1
-    slices = [n // p for n in layout.padded if n]
-    reach = max((-(-window[0] // c) for c in slices), default=0)
-    return min(p - 1, reach)
+    return max((contiguous_window_reach(n // p, window[0], p) for n in layout.padded if n),
+               default=0)
 
 
 def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int):
