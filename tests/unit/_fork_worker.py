@@ -11,13 +11,26 @@ from pathlib import Path
 WORLD = 4
 
 
+def import_megatron(source: str) -> str:
+    """Import megatron from the patched copy ``source``; return where it came from.
+
+    Run once per rank before any training, so that a spawned rank's cold import of torch and
+    megatron is not charged to the time limit of a training call."""
+    import sys
+
+    sys.path.insert(0, source)
+    import megatron.core
+
+    return str(Path(megatron.core.__file__).resolve())
+
+
 def train_with(source: str | None, cp: int, comm: str, hcp: list[int] | None, pp: int,
                dynamic: bool = False):
     """Train a tiny GPT with megatron from ``source`` (a patched copy, no runtime patching)
     or from the installed package with the runtime patches."""
     import sys
 
-    if source is not None:
+    if source is not None and source not in sys.path:
         sys.path.insert(0, source)
     import megatron.core
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import re
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from megatron_hcp.patching.forkpatch import (
     runtime_digest,
     series_for,
 )
-from tests.unit._fork_worker import WORLD, train_with
+from tests.unit._fork_worker import WORLD, import_megatron, train_with
 from tests.unit.test_patch_transactions import refused
 
 VERSIONS = sorted({v for p in ALL_PATCHES for v in p.versions})
@@ -269,9 +270,12 @@ def test_check_reports_every_release_and_writes_nothing(releases, version, capsy
 @pytest.fixture(scope="module")
 def patched_world(pristine):
     apply_diffs(pristine)
+    compileall.compile_dir(pristine, quiet=1)  # once here, not by every rank at once
     # fresh interpreters (not the shared forkserver, which may have imported megatron already):
-    # each rank imports megatron from the patched copy
+    # each rank imports megatron from the patched copy, first and with room for a cold import
     with LocalWorld(WORLD, start_method="spawn") as w:
+        where = w.run(import_megatron, str(pristine), timeout_s=600)
+        assert all(path.startswith(str(pristine)) for path in where), where
         yield w, str(pristine)
 
 
