@@ -282,7 +282,8 @@ def _dynamic_hcp_a2a_size(args: argparse.Namespace) -> int:
                  min_dynamic_context_parallel_size=args.min_cp_size,
                  max_seqlen_per_dp_cp_rank=args.max_seqlen_per_rank,
                  num_attention_heads=args.heads, num_query_groups=args.kv_heads,
-                 cp_attention_backend="reference").validate()
+                 cp_attention_backend="reference", cp_partition_mode=args.cp_partition_mode,
+                 window_size=None if args.window is None else [args.window, 0]).validate()
     except CPConfigError as err:
         raise UsageError(_one_line(err)) from None
     return sizes[0]
@@ -317,7 +318,8 @@ def _schedule(args: argparse.Namespace) -> int:
     workload = GPTWorkload(num_layers=args.layers, hidden_size=args.hidden,
                            ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
                            num_query_groups=args.kv_heads, gated_mlp=args.gated_mlp,
-                           mode=args.cost)
+                           mode=args.cost, window=args.window,
+                           cp_partition_mode=args.cp_partition_mode)
     hardware: Hardware | Cluster | None = None
     a2a_size = args.hcp_a2a_size
     if args.link_gbps is not None:
@@ -614,7 +616,7 @@ SCHEDULE_MAX_DP_CP = 16384
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import CP_COMM_TYPES, LIMITS, MAX_RANKS, MAX_STEPS
+    from .config import CP_COMM_TYPES, CP_PARTITION_MODES, LIMITS, MAX_RANKS, MAX_STEPS
     from .planner import command as plan_command
 
     parser = _Parser(prog="megatron-hcp", description=__doc__)
@@ -668,6 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_typed("heads", "--kv-heads"), default=None)
     p.add_argument("--ffn", type=_typed("width", "--ffn"), default=None)
     p.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (3 matmuls)")
+    p.add_argument("--window", type=_typed("seqlen", "--window"), default=None,
+                   help="causal sliding window of this many tokens back (megatron's "
+                        "--window-size W 0)")
+    p.add_argument("--cp-partition-mode", choices=list(CP_PARTITION_MODES),
+                   default=CP_PARTITION_MODES[0],
+                   help="the layout the groups cut sequences in: its padding for the cap, "
+                        "and contiguous slices' causal imbalance (the last rank's share)")
     p.add_argument("--link-gbps", type=_typed("float", above=0.0, maximum=1e6), default=None,
                    help="rank plans by projected step time on ONE link for every group: GB/s "
                         "(with --tflops, --link-latency-us); default: FLOPs makespan")

@@ -357,7 +357,8 @@ class DynamicCPForwardBackward:
                 num_attention_heads=model_config.num_attention_heads,
                 num_query_groups=model_config.num_query_groups,
                 gated_mlp=bool(model_config.gated_linear_unit),
-                kv_channels=model_config.kv_channels),
+                kv_channels=model_config.kv_channels,
+                window=GPTWorkload.causal_window(getattr(model_config, "window_size", None))),
             micro_batch_multiple=pg_collection.pp.size() if chunks > 1 else 1,
             sequence_parallel=bool(model_config.sequence_parallel),
             cp_partition_mode=(config.cp_partition_mode if config is not None

@@ -74,7 +74,9 @@ class Hardware:
 
 def projected_seconds(workload: GPTWorkload, length: int, group_size: int,
                       hw: Hardware) -> float:
-    """Seconds one rank spends on ``length`` split over ``group_size`` ranks (fwd + bwd)."""
+    """Seconds the slowest rank spends on ``length`` split over ``group_size`` ranks (fwd +
+    bwd). In the contiguous layout under a causal window the ring stops at the window's reach
+    and dK/dV go home in one more hop (as :func:`cp_layer_seconds`)."""
     if workload.mode != "flops":
         raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
     compute = workload.cost(length, group_size) / hw.flops_per_second
@@ -89,7 +91,14 @@ def projected_seconds(workload: GPTWorkload, length: int, group_size: int,
                       - fwd_step / hw.flops_per_second)
     bwd_exposed = max(0.0, hw.latency_seconds + 2 * chunk_bytes / hw.bytes_per_second
                       - 2 * fwd_step / hw.flops_per_second)
-    return compute + workload.num_layers * (c - 1) * (fwd_exposed + bwd_exposed)
+    steps, home = c - 1, 0.0
+    if (workload.cp_partition_mode == "contiguous" and workload.window is not None
+            and workload.causal and length > 0):
+        reach = contiguous_window_reach(length / c, workload.window, c)
+        if reach < steps:
+            steps = reach
+            home = hw.latency_seconds + chunk_bytes / hw.bytes_per_second if reach else 0.0
+    return compute + workload.num_layers * (steps * (fwd_exposed + bwd_exposed) + home)
 
 
 def group_seconds(workload: GPTWorkload, lengths: Sequence[int], samples: Iterable[int],
@@ -177,11 +186,15 @@ class Cluster:
         """FLOP/s of the attention kernel (``attention_flops_per_second``, else the GEMM rate)."""
         return self.attention_flops_per_second or self.flops_per_second
 
-    def compute_seconds(self, workload: GPTWorkload, length: int, group_size: int) -> float:
-        """Seconds of one rank's share of ``length`` on ``group_size`` ranks (fwd + bwd): the
-        linear layers at the GEMM rate, the ``L^2`` attention at the attention rate."""
+    def compute_seconds(self, workload: GPTWorkload, length: int, group_size: int,
+                        a2a_size: int = 1) -> float:
+        """Seconds of the slowest rank's share of ``length`` on ``group_size`` ranks (fwd +
+        bwd): the linear layers at the GEMM rate, the ``L^2`` attention at the attention rate,
+        times the layout's imbalance (``GPTWorkload.cost``; ``a2a_size``: hierarchical CP's
+        a2a level, whose ranks split heads)."""
         linear = length * workload.linear_flops_per_token() / group_size
         attention = workload.attention_flops(length) / group_size
+        attention *= workload.attention_load(length, group_size, a2a_size)
         return linear / self.flops_per_second + attention / self.attention_rate
 
     def placement(self, ranks: Sequence[int]) -> tuple[int, int]:
@@ -434,20 +447,22 @@ def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[in
     if workload.mode != "flops":
         raise ValueError("projection needs workload.mode='flops' (it converts FLOPs to seconds)")
     c = len(ranks)
-    compute = cluster.compute_seconds(workload, length, c)
+    a, p = dynamic_levels(c, hcp_a2a_size)
+    compute = cluster.compute_seconds(workload, length, c, a)
     if c <= 1:
         return compute
-    a, p = dynamic_levels(c, hcp_a2a_size)
     if a > (workload.num_query_groups or workload.num_attention_heads):
         workload = dataclasses.replace(workload, num_query_groups=a)  # replicated KV heads
+    mode = workload.cp_partition_mode
     if a == 1:
-        comm = cp_layer_seconds(workload, cluster, length, 1, "p2p", ranks)
+        comm = cp_layer_seconds(workload, cluster, length, 1, "p2p", ranks,
+                                cp_partition_mode=mode)
     elif p == 1:
         comm = cp_layer_seconds(workload, cluster, length, 1, "a2a", ranks)
     else:
         comm = max((cp_layer_seconds(workload, cluster, length, 1, "a2a+p2p", ranks,
                                      a2a_ranks=ranks[i * a:(i + 1) * a],
-                                     p2p_ranks=ranks[i % a::a])
+                                     p2p_ranks=ranks[i % a::a], cp_partition_mode=mode)
                     for i in range(max(p, a))),
                    key=lambda x: x.forward + x.backward)
     return compute + workload.num_layers * (comm.forward + comm.backward)

@@ -22,6 +22,7 @@ others would wait for, apart from the collectives listed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -68,8 +69,9 @@ class DynamicCPDataPath:
     given Cluster is used with the levels too, a given single-link ``Hardware`` prices flat rings.
     ``sequence_parallel``: sequences are padded so that every rank's packed tokens split evenly
     over the TP ranks. ``cp_partition_mode``: the layout every micro-batch is cut in (its
-    group's zigzag chunks or contiguous slices); the plan's token counts assume the zigzag
-    padding, which is never less than the contiguous one, so a plan fits the cap in both.
+    group's zigzag chunks or contiguous slices); the scheduler plans in it (the workload is
+    given that layout): its padding for the token cap, and its slowest rank's causal share
+    for the balance.
     """
 
     def __init__(
@@ -92,7 +94,8 @@ class DynamicCPDataPath:
         self.dp_group, self.cp_group, self.tp_group = dp_group, cp_group, tp_group
         self.cap = int(max_seqlen_per_dp_cp_rank)
         self.min_cp_size = groups.min_size if min_cp_size is None else int(min_cp_size)
-        self.workload = workload or GPTWorkload()
+        self.workload = dataclasses.replace(workload or GPTWorkload(),
+                                            cp_partition_mode=self.mode)
         self.multiple = int(micro_batch_multiple)
         a2a_size = getattr(groups, "a2a_size", None)
         if a2a_size is not None and hardware is _DEFAULT_HARDWARE:

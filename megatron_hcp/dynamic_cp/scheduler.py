@@ -55,7 +55,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import CPConfigError, is_power_of_two, parse_int
-from .projection import Cluster, Hardware, group_pricer
+from ..sharding import layout_unit
+from .projection import Cluster, Hardware, dynamic_levels, group_pricer
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
 __all__ = ["Group", "MicroBatch", "Plan", "schedule"]
@@ -176,6 +177,13 @@ def _check_pricing(hardware, hcp_a2a_size, n: int, model: GPTWorkload) -> None:
             "reference backend); use a smaller a2a size")
 
 
+def _work_at(ids: list[int], work):
+    """Position in ``ids`` -> ``work`` of the sequence there."""
+    def value(j: int) -> float:
+        return work(ids[j])
+    return value
+
+
 class _Pool:
     """Unplaced sequences by minimum group size; each class sorted by total cost, ascending.
 
@@ -203,19 +211,28 @@ class _Pool:
         other.placed = list(self.placed)
         return other
 
-    def take_largest(self, max_size: int, limit: float, fits=None) -> int | None:
+    def take_largest(self, max_size: int, limit: float, fits=None, work=None) -> int | None:
         """Remove the costliest sequence with min size <= ``max_size``, cost <= ``limit`` and
-        ``fits(s)`` (the token cap: checked on the sequence itself, whatever the cost model)."""
+        ``fits(s)`` (the token cap: checked on the sequence itself, whatever the cost model).
+
+        ``work(s)``: its cost where it would run, when that is not its total (a layout whose
+        slowest rank carries more than the mean); it grows with the length as the total does,
+        so each class stays sorted by it."""
         best_c, best_i, best = -1, -1, -1.0
         for c in self.sizes:
             if c > max_size:
                 break
             costs, ids = self.cost[c], self.ids[c]
-            i = bisect_right(costs, limit) - 1
-            while fits is not None and i >= 0 and costs[i] > best and not fits(ids[i]):
+            if work is None:
+                i = bisect_right(costs, limit) - 1
+                value = costs.__getitem__
+            else:
+                value = _work_at(ids, work)
+                i = bisect_right(range(len(ids)), limit, key=value) - 1
+            while fits is not None and i >= 0 and value(i) > best and not fits(ids[i]):
                 i -= 1
-            if i >= 0 and costs[i] > best:
-                best_c, best_i, best = c, i, costs[i]
+            if i >= 0 and value(i) > best:
+                best_c, best_i, best = c, i, value(i)
         if best_c < 0:
             return None
         self.count -= 1
@@ -247,14 +264,24 @@ class _Block:
 class _Packer:
     """Builds micro-batches one at a time at a given per-rank cost level."""
 
-    def __init__(self, lengths, n, cap, total, c0, cost1, rule, equalize=True):
+    def __init__(self, lengths, n, cap, total, c0, model: GPTWorkload, rule, equalize=True,
+                 hcp_a2a_size: int | None = None):
         self.lengths, self.n, self.cap, self.rule = lengths, n, cap, rule
         self.equalize = equalize  # spread slow groups further (FLOPs mode, see _equalize)
         self.length_array = np.asarray(lengths, dtype=np.int64)
-        self.total, self.c0, self.cost1 = total, c0, cost1
+        self.mode, self.balanced = model.cp_partition_mode, model.balanced
+        self.total, self.c0 = total, c0
+        # work(s, c): a sequence's cost on c ranks times c (its total when the layout balances
+        # the ranks); length_work: the same for a length
+        self.length_work = functools.cache(
+            lambda length, c: model.cost(length, c, dynamic_levels(c, hcp_a2a_size)[0]) * c)
+        if model.balanced:
+            self.work = lambda s, c: total[s]
+        else:
+            self.work = lambda s, c: self.length_work(lengths[s], c)
         # covering order: heaviest per rank at the minimum group size first
-        self.order = sorted(range(len(lengths)), key=lambda s: (-total[s] / c0[s], s))
-        self.full_rank = cost1(cap)
+        self.order = sorted(range(len(lengths)), key=lambda s: (-self.work(s, c0[s]) / c0[s], s))
+        self.full_rank = self.length_work(cap, 1)
 
     def run(self, m: int, mb_score, budget: float = math.inf) -> tuple[list, float] | None:
         """Pack everything aiming at ``m`` micro-batches (more if the rest does not fit).
@@ -299,16 +326,20 @@ class _Packer:
             out.append((groups, idle, peak))
         return out
 
+    def _tokens(self, length: int, size: int) -> int:
+        return tokens_per_rank(length, size, self.mode)
+
     def _fits(self, samples: list[int], size: int) -> bool:
         """The ranks of a group of ``size`` running ``samples`` hold at most ``cap`` tokens
-        (:func:`~.workload.tokens_per_rank`, vectorized: padded to ``2 * size``)."""
+        (:func:`~.workload.tokens_per_rank`, vectorized: padded as the layout cuts)."""
         if len(samples) < 16:
-            return sum(tokens_per_rank(self.lengths[s], size) for s in samples) <= self.cap
-        held = -(-self.length_array[samples] // (2 * size)) * 2
+            return sum(self._tokens(self.lengths[s], size) for s in samples) <= self.cap
+        unit = layout_unit(size, self.mode)
+        held = -(-self.length_array[samples] // unit) * (unit // size)
         return int(held.sum()) <= self.cap
 
     def _micro_batch(self, pool: _Pool, level: float):
-        n, total, c0 = self.n, self.total, self.c0
+        n, total, c0, work_on = self.n, self.total, self.c0, self.work
         # a sequence heavier than the level is spread over more ranks only when it exceeds the
         # level by the rule's slack (capped: or what a rank full of tokens costs - ranks bound
         # by the cap could not catch up with it)
@@ -325,7 +356,7 @@ class _Packer:
             if placed[s]:
                 continue
             c = c0[s]
-            while c < n and total[s] / c > spread_above:
+            while c < n and work_on(s, c) / c > spread_above:
                 c *= 2  # heavier than the level: spread it over more ranks
             if c <= free:
                 cover.append((c, s))
@@ -335,7 +366,7 @@ class _Packer:
         blocks, start = [], 0
         for c, s in sorted(cover, key=lambda x: (-x[0], x[1])):  # buddy order: no fragments
             pool.remove(s)
-            blocks.append(_Block(start, c, total[s] / c, tokens_per_rank(self.lengths[s], c),
+            blocks.append(_Block(start, c, work_on(s, c) / c, self._tokens(self.lengths[s], c),
                                  [s]))
             start += c
         level = max([level] + [b.load for b in blocks])
@@ -346,15 +377,17 @@ class _Packer:
                 longest = (room // 2) * 2 * b.size
                 if longest < 1:
                     break
-                limit = min((level - b.load) * b.size * (1 + 1e-12), self.cost1(longest))
+                limit = min((level - b.load) * b.size * (1 + 1e-12),
+                            self.length_work(longest, b.size))
                 s = pool.take_largest(
                     b.size, limit,
-                    lambda s, b=b, room=room: tokens_per_rank(self.lengths[s], b.size) <= room)
+                    lambda s, b=b, room=room: self._tokens(self.lengths[s], b.size) <= room,
+                    None if self.balanced else (lambda s, b=b: work_on(s, b.size)))
                 if s is None:
                     break
                 b.samples.append(s)
-                b.load += total[s] / b.size
-                b.tokens += tokens_per_rank(self.lengths[s], b.size)
+                b.load += work_on(s, b.size) / b.size
+                b.tokens += self._tokens(self.lengths[s], b.size)
         work = sum(total[s] for b in blocks for s in b.samples)
         groups = {(b.start, b.size): b.samples for b in blocks}
         idle = _absorb_idle(groups, n, self._fits) if free else ()
@@ -363,7 +396,7 @@ class _Packer:
         return groups, idle, self._peak(groups), work
 
     def _peak(self, groups: dict) -> float:
-        return max(sum(self.total[s] for s in samples) / size
+        return max(sum(self.work(s, size) for s in samples) / size
                    for (_, size), samples in groups.items())
 
     def _equalize(self, groups: dict, work: float) -> dict:
@@ -375,10 +408,10 @@ class _Packer:
         the smallest block that lowers its per-rank cost and fits the cap is taken; until the
         slowest rank is within :data:`_EQUALIZE_SLACK` of the mean or no group can be helped.
         """
-        n, total, lengths = self.n, self.total, self.lengths
+        n, lengths = self.n, self.lengths
         target = work / n * (1 + _EQUALIZE_SLACK)
-        # per group: work, summed length, sequence count
-        stats = {k: (sum(total[s] for s in v), sum(lengths[s] for s in v), len(v))
+        # per group: work (on its ranks), summed length, sequence count
+        stats = {k: (sum(self.work(s, k[1]) for s in v), sum(lengths[s] for s in v), len(v))
                  for k, v in groups.items()}
         heap = [(-w / k[1], k) for k, (w, _, _) in stats.items() if w / k[1] > target]
         if not heap:
@@ -405,11 +438,14 @@ class _Packer:
         while block <= self.n:
             first = start - start % block
             members = list(dict.fromkeys(k for k in owner[first:first + block] if k is not None))
-            work = sum(stats[k][0] for k in members)
+            samples = [s for k in members for s in groups[k]]
+            if self.balanced:
+                work = sum(stats[k][0] for k in members)
+            else:  # a layout whose slowest rank's share depends on the group size
+                work = sum(self.work(s, block) for s in samples)
             if work / block < own * (1 - 1e-12):
                 raw = sum(stats[k][1] for k in members)
                 count = sum(stats[k][2] for k in members)
-                samples = [s for k in members for s in groups[k]]
                 # tokens_per_rank(L, b) <= L / b + 2: the exact sum only when that bound fails
                 if raw / block + 2 * count <= self.cap or self._fits(samples, block):
                     merged = (first, block)
@@ -485,9 +521,9 @@ def schedule(
     if hardware is not None and model.mode != "flops":
         raise ScheduleError(f"hardware= needs the flops cost model, not mode={model.mode!r}")
     _check_pricing(hardware, hcp_a2a_size, n, model)
-    c0 = [min_group_size(length, cap, n, min_cp_size) for length in lengths]
-    total = [model.cost(length, 1) for length in lengths]  # cost(L, c) == cost(L, 1) / c
-    cost1 = functools.lru_cache(maxsize=None)(lambda length: model.cost(length, 1))
+    mode = model.cp_partition_mode
+    c0 = [min_group_size(length, cap, n, min_cp_size, mode) for length in lengths]
+    total = [model.cost(length, 1) for length in lengths]  # the mean rank's: total / c
 
     price = group_pricer(model, hardware, hcp_a2a_size) if hardware is not None else None
 
@@ -498,7 +534,7 @@ def schedule(
                     for (start, size), v in groups.items()), default=0.0)
 
     # lower bound on the micro-batch count: token capacity of N ranks
-    m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c) * c for x, c in zip(lengths, c0))
+    m_lo = max(1, math.ceil(sum(tokens_per_rank(x, c, mode) * c for x, c in zip(lengths, c0))
                             / (n * cap)))
     counts = sorted({-(-m // vpp) * vpp for m in range(m_lo, m_lo + _EXTRA_MICRO_BATCHES + 1)})
     # hardware mode prices splitting itself: only float-rounding ties go to the tie-break
@@ -507,7 +543,8 @@ def schedule(
     for rule in _SPREAD_RULES:
         # equalizing is FLOPs mode's: given hardware it cost 4x the scheduling time at N=256
         # (0.25 -> 1.07 s) for projected steps within 1 % (benchmarks/RESULTS.md, Table 3)
-        packer = _Packer(lengths, n, cap, total, c0, cost1, rule, equalize=price is None)
+        packer = _Packer(lengths, n, cap, total, c0, model, rule, equalize=price is None,
+                         hcp_a2a_size=hcp_a2a_size)
         for m in counts:
             result = packer.run(m, mb_score, budget)
             if result is None:
@@ -538,19 +575,22 @@ def schedule(
             tuple(Group(tuple(range(st, st + sz)), tuple(sorted(v)))
                   for (st, sz), v in sorted(groups.items())), tuple(idle)))
     plan = Plan(tuple(micro_batches), tuple(notes))
-    _verify_plan(plan, lengths, n, cap)
-    object.__setattr__(plan, "summary", summarize(plan, lengths, n, cap, model, min_cp_size))
+    _verify_plan(plan, lengths, n, cap, mode)
+    object.__setattr__(plan, "summary", summarize(plan, lengths, n, cap, model, min_cp_size,
+                                                  hcp_a2a_size))
     return plan
 
 
-def _verify_plan(plan: Plan, lengths: Sequence[int], n: int, cap: int) -> None:
+def _verify_plan(plan: Plan, lengths: Sequence[int], n: int, cap: int,
+                 cp_partition_mode: str = "zigzag") -> None:
     """Final check of every plan, whatever built it: each sample exactly once, groups inside
     the ``n`` ranks, and no rank above the token cap."""
     seen: list[int] = []
     for j, mb in enumerate(plan.micro_batches):
         for group in mb.groups:
             size = len(group.ranks)
-            tokens = sum(tokens_per_rank(lengths[s], size) for s in group.samples)
+            tokens = sum(tokens_per_rank(lengths[s], size, cp_partition_mode)
+                         for s in group.samples)
             if tokens > cap:
                 raise ScheduleError(
                     f"internal scheduler error: micro-batch {j} puts {tokens} tokens on each "
@@ -566,13 +606,18 @@ def _verify_plan(plan: Plan, lengths: Sequence[int], n: int, cap: int) -> None:
 
 
 def summarize(plan: Plan, lengths: Sequence[int], n: int, cap: int,
-              workload: GPTWorkload, min_cp_size: int = 1) -> dict:
+              workload: GPTWorkload, min_cp_size: int = 1,
+              hcp_a2a_size: int | None = None) -> dict:
     """Makespan, efficiency (ideal / makespan), per-micro-batch max/mean, idle slots, tokens.
 
+    Every rank is charged its own share of each sequence it holds (``workload.rank_costs``:
+    the layout's imbalance included); ``mean`` and ``ideal`` are the work over the ranks.
+    ``hcp_a2a_size``: the a2a level of dynamic hierarchical CP (its ranks split heads).
     ``enlarged_token_fraction``: share of all tokens whose sequence runs on a larger group than
     the smallest legal one (more CP communication than needed); ``mean_group_size`` /
     ``mean_min_group_size``: token-weighted group size chosen / smallest legal.
     """
+    mode = workload.cp_partition_mode
     ideal_total = 0.0
     makespan = 0.0
     per_mb = []
@@ -581,18 +626,21 @@ def summarize(plan: Plan, lengths: Sequence[int], n: int, cap: int,
     for mb in plan.micro_batches:
         load = np.zeros(n)
         tok = np.zeros(n, dtype=np.int64)
+        work = 0.0
         for g in mb.groups:
             c = len(g.ranks)
             for s in g.samples:
-                least = min_group_size(lengths[s], cap, n, min_cp_size)
+                least = min_group_size(lengths[s], cap, n, min_cp_size, mode)
                 enlarged += lengths[s] if c > least else 0
                 weighted += lengths[s] * c
                 weighted_min += lengths[s] * least
-                load[g.ranks[0]:g.ranks[-1] + 1] += workload.cost(lengths[s], c)
-                tok[g.ranks[0]:g.ranks[-1] + 1] += tokens_per_rank(lengths[s], c)
-                ideal_total += workload.cost(lengths[s], c) * c
+                load[g.ranks[0]:g.ranks[-1] + 1] += workload.rank_costs(
+                    lengths[s], c, dynamic_levels(c, hcp_a2a_size)[0])
+                tok[g.ranks[0]:g.ranks[-1] + 1] += tokens_per_rank(lengths[s], c, mode)
+                work += workload.cost(lengths[s], 1)
+        ideal_total += work
         makespan += float(load.max())
-        per_mb.append({"max": float(load.max()), "mean": float(load.mean())})
+        per_mb.append({"max": float(load.max()), "mean": work / n})
         peak_tokens = max(peak_tokens, int(tok.max()))
     ideal = ideal_total / n
     return {

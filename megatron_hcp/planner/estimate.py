@@ -6,6 +6,7 @@ model, with its two link classes); the memory model is documented in :mod:`megat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from ..dynamic_cp.workload import (
     tokens_per_rank,
 )
 from ..parallel_state.layout import ParallelLayout
+from ..sharding import layout_unit
 from .inputs import Batch, ModelSpec, Options
 
 __all__ = [
@@ -87,7 +89,8 @@ class Layout:
             parts.append(f"VP{self.vp}")
         if self.dynamic:  # CP x DP ranks share the dynamic groups: no separate DP size
             return " ".join(parts + [f"dynamic-CP{self.dp * self.cp} min{self.min_cp}"
-                                     + (f" cap{self.cap}" if self.cap else "")])
+                                     + (f" cap{self.cap}" if self.cap else "")
+                                     + (f" {self.mode}" if self.mode != "zigzag" else "")])
         if self.cp > 1:
             parts.append(f"CP{self.cp} {self.cp_comm_type}"
                          + (f" [{self.hcp[0]},{self.hcp[1]}]" if self.hcp else "")
@@ -181,9 +184,19 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
                     accepted.append(layout)
             n = rest
             if not batch.fixed and n >= 2 and n & (n - 1) == 0:
-                for m in options.min_dynamic_sizes:
-                    if m <= n:
-                        accepted.append(Layout(tp, 1, pp, n, "p2p", None, None, True, m, None))
+                # dynamic groups are rings: a windowed model also in the contiguous layout
+                modes = ("zigzag", "contiguous") if model.window is not None else ("zigzag",)
+                for m, mode in ((m, mode) for m in options.min_dynamic_sizes for mode in modes):
+                    if m > n:
+                        continue
+                    layout = Layout(tp, 1, pp, n, "p2p", None, None, True, m, None, mode=mode)
+                    try:  # what the backend refuses is named (the cap is probed here only)
+                        dataclasses.replace(layout, cap=batch.max_length).config(
+                            model, options).validate()
+                    except CPConfigError as err:
+                        rejected.append((layout, "; ".join(str(v) for v in err.violations)))
+                        continue
+                    accepted.append(layout)
     return accepted, rejected
 
 
@@ -383,7 +396,7 @@ def _dynamic_cap(model: ModelSpec, batch: Batch, cluster: Cluster, options: Opti
     """The largest token cap per rank that fits memory (aligned), or the smallest legal one
     (then it does not fit)."""
     n = layout.dp
-    need = tokens_per_rank(batch.max_length, n)
+    need = tokens_per_rank(batch.max_length, n, layout.mode)
     probe = memory_per_gpu(model, layout, 0, layout.pp, recompute, options, cluster)
     per_token = (memory_per_gpu(model, layout, 1024, layout.pp, recompute, options, cluster)
                  ["total"] - probe["total"]) / 1024
@@ -407,11 +420,11 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
         cap, _ = _dynamic_cap(model, batch, cluster, options, layout, recompute)
         n = layout.dp
         try:
-            cp = min_group_size(batch.max_length, cap, n, layout.min_cp)
+            cp = min_group_size(batch.max_length, cap, n, layout.min_cp, layout.mode)
         except ScheduleError:
             cp = n
         layout = Layout(layout.tp, cp, layout.pp, n // cp, "p2p", None, None, True,
-                        layout.min_cp, cap)
+                        layout.min_cp, cap, mode=layout.mode)
         try:
             layout.config(model, options).validate()
         except CPConfigError:
@@ -424,7 +437,8 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
         dp_cp = tuple(grid.groups["dp_cp"][0])
         n = len(dp_cp)
         try:  # the scheduler ranks its plans with the DPxCP group's slowest link
-            plan = schedule(lengths, n, layout.cap, workload=model.workload(),
+            workload = dataclasses.replace(model.workload(), cp_partition_mode=layout.mode)
+            plan = schedule(lengths, n, layout.cap, workload=workload,
                             min_cp_size=layout.min_cp, hardware=cluster.hardware(dp_cp))
         except ScheduleError:
             return None
@@ -439,7 +453,7 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
                 for s in g.samples:
                     x, y, z = costs.sequence(lengths[s], ranks)
                     gemm, attn, cpt = gemm + x, attn + y, cpt + z
-                    tokens += tokens_per_rank(lengths[s], len(ranks))
+                    tokens += tokens_per_rank(lengths[s], len(ranks), layout.mode)
                     sizes[len(ranks)] = sizes.get(len(ranks), 0) + 1
                 comp = costs.compute(gemm, attn) if g.samples else 0.0
                 tpt = costs.tp_seconds(tokens, comp)
@@ -452,7 +466,8 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     else:
         c = layout.cp
         # a fixed-length batch has one kind of micro-batch, one sequence each
-        bins = [lengths[:1]] if batch.fixed else _pack(lengths, layout.seq_length, 2 * c)
+        bins = ([lengths[:1]] if batch.fixed
+                else _pack(lengths, layout.seq_length, layout_unit(c, layout.mode)))
         seconds: dict[tuple[int, ...], tuple[float, float, float]] = {}
         mbs = []
         for b in bins:  # each kind of micro-batch is costed once
@@ -460,7 +475,7 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             if key not in seconds:
                 gemm, attn, cpt = (sum(costs.sequence(x)[i] for x in b) for i in range(3))
                 comp = costs.compute(gemm, attn)
-                tokens = sum(tokens_per_rank(x, c) for x in b)
+                tokens = sum(tokens_per_rank(x, c, layout.mode) for x in b)
                 seconds[key] = (comp, cpt, costs.tp_seconds(tokens, comp))
             mbs.append(seconds[key])
         if batch.fixed:

@@ -408,7 +408,8 @@ class _StepData:
                 min_cp_size=spec.min_dynamic_context_parallel_size,
                 workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                      num_attention_heads=spec.num_attention_heads,
-                                     num_query_groups=spec.num_query_groups),
+                                     num_query_groups=spec.num_query_groups,
+                                     window=GPTWorkload.causal_window(spec.config.window_size)),
                 micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel,
                 cp_partition_mode=spec.cp_partition_mode)
         rows = spec.global_batch_size

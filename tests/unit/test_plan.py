@@ -320,6 +320,25 @@ def test_a_windowed_model_is_planned_in_both_layouts():
     assert not any(e.layout.mode == "contiguous" for e in plain.ranked)
 
 
+def test_a_windowed_model_is_planned_with_dynamic_cp_in_both_layouts():
+    """Dynamic CP of a windowed model is also estimated in the contiguous layout: the
+    scheduler plans in it (its padding, its slowest rank) and the estimate names it; TE
+    refuses it, named."""
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                      num_query_groups=4, vocab_size=32000, window=2048)
+    batch = lognormal(64, 8192, 1.0, 256, 65536, seed=0)
+    cluster = Cluster(nodes=1, gpus_per_node=8)
+    ref = plan(model, batch, cluster, Options(attention_backend="reference"))
+    dynamic = [e for e in ref.ranked if e.layout.dynamic]
+    assert {e.layout.mode for e in dynamic} == {"zigzag", "contiguous"}
+    assert all(("contiguous" in e.layout.label) == (e.layout.mode == "contiguous")
+               for e in dynamic)
+    te = plan(model, batch, cluster, Options())
+    assert not any(e.layout.mode == "contiguous" for e in te.ranked)
+    assert any(lay.dynamic and lay.mode == "contiguous" and "Transformer Engine" in why
+               for lay, why in te.rejected)
+
+
 def test_overlap_and_collectives_by_hand():
     assert overlapped_seconds(1.0, 3.0) == pytest.approx(OVERLAP_SLOWDOWN)
     assert overlapped_seconds(3.0, 1.0) == pytest.approx(2.0 + OVERLAP_SLOWDOWN)
