@@ -14,19 +14,29 @@ import atexit
 import functools
 import gc
 import sys
+import types
 from collections.abc import Iterator
 
 CACHE_OWNERS = ("megatron.",)
+
+
+#: where a function patched by :mod:`megatron_hcp.patching` keeps the one it replaced; followed
+#: here, so that a patch never hides an upstream cache from the release
+PATCHED_ORIGINAL = "__megatron_hcp_original__"
 
 
 def _caches_of(namespace: dict) -> Iterator[functools._lru_cache_wrapper]:
     # type() only: some namespace values are deprecation proxies (megatron modules import
     # torch.distributed's reduce_op) that warn on any attribute access
     for value in list(namespace.values()):
-        if type(value) in (staticmethod, classmethod):
-            value = value.__func__
-        if type(value) is functools._lru_cache_wrapper:
-            yield value
+        while value is not None:
+            if type(value) in (staticmethod, classmethod):
+                value = value.__func__
+            if type(value) is functools._lru_cache_wrapper:
+                yield value
+            elif type(value) is not types.FunctionType:
+                break
+            value = vars(value).get(PATCHED_ORIGINAL)  # a patch's: what it replaced
 
 
 def megatron_caches() -> list[functools._lru_cache_wrapper]:

@@ -23,6 +23,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from ..group_release import PATCHED_ORIGINAL
+
 __all__ = [
     "Patch",
     "PatchError",
@@ -35,7 +37,7 @@ __all__ = [
     "version_key",
 ]
 
-_ORIGINAL = "__megatron_hcp_original__"
+_ORIGINAL = PATCHED_ORIGINAL  # group_release follows it to the caches a patch wraps
 _NAME = "__megatron_hcp_patch__"
 MEGATRON_CORE = "megatron-core"
 

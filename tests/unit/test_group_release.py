@@ -150,3 +150,25 @@ def test_finding_the_caches_reads_no_deprecated_attribute(monkeypatch):
         names = {f"{c.__module__}.{c.__qualname__}" for c in megatron_caches()}
     assert "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward" \
         in names, names
+
+
+def test_a_patch_never_hides_an_upstream_cache():
+    """The patch rope-cp-partition-mode replaces RotaryEmbedding.forward (an lru_cache of
+    upstream's) with a cached function of its own: both caches are found, so the release still
+    empties upstream's (which holds the CP groups it was called with)."""
+    import megatron.core.models.gpt  # noqa: F401
+
+    from megatron_hcp.group_release import megatron_caches
+    from megatron_hcp.patching import ALL_PATCHES, apply, is_applied, revert
+
+    patch = next(p for p in ALL_PATCHES if p.name == "rope-cp-partition-mode")
+    was_applied = is_applied(patch)
+    if not was_applied:
+        apply([patch])
+    try:
+        names = {f"{c.__module__}.{c.__qualname__}" for c in megatron_caches()}
+    finally:
+        if not was_applied:
+            revert([patch])
+    assert {"megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
+            "megatron_hcp.patching.partition_layout.make_rope_table.<locals>.forward"} <= names
