@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-__all__ = ["add_arguments", "check", "run"]
+__all__ = ["add_arguments", "add_parsers", "check", "run"]
 
 
 def _one_line_error(message: str) -> None:
@@ -266,3 +266,21 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes():
         print(f"note: {note}")
     return 0
+
+
+def _checked(args: argparse.Namespace):
+    """Every ``plan`` input read and bounded, the ``--plot`` path checked, before planning."""
+    from ..command_line import UsageError, one_line
+
+    try:
+        return check(args)
+    except ValueError as err:  # PlanInputError, OutputPathError
+        raise UsageError(one_line(err)) from None
+
+
+def add_parsers(sub) -> None:
+    """Register plan."""
+    p = sub.add_parser("plan", help="rank TP/CP/PP/DP, cp_comm_type, HCP sizes and dynamic-CP "
+                                    "knobs for a model on a cluster (projected step time, memory)")
+    add_arguments(p)
+    p.set_defaults(func=run, check=_checked)

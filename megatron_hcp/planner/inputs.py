@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bounded_read import InputFileError, loads_yaml, read_json, read_text
+from ..bounded_read import InputFileError, loads_yaml, read_text
 from ..config import (
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
@@ -168,23 +168,14 @@ def lognormal_spec(text: str) -> tuple[float, float, int, int]:
 
 
 def lengths_file(path: str) -> Batch:
-    """A JSON list of 1..:data:`PLAN_MAX_SEQUENCES` integer lengths, each at most
-    ``MAX_SEQ_LENGTH`` (read with the bounded reader)."""
+    """A global batch's lengths from the one lengths reader (:func:`~megatron_hcp.command_line.
+    read_lengths`: 1..``MAX_SEQUENCES`` integers, each at most ``MAX_SEQ_LENGTH``)."""
+    from ..command_line import UsageError, read_lengths
+
     try:
-        data = read_json(path, "--lengths")
-    except InputFileError as err:
+        return Batch(tuple(read_lengths(path)), False)
+    except UsageError as err:
         raise PlanInputError(str(err)) from None
-    if not isinstance(data, list) or not data:
-        raise PlanInputError(f"--lengths {path} must hold a non-empty JSON list of integers")
-    if len(data) > PLAN_MAX_SEQUENCES:
-        raise PlanInputError(f"--lengths {path} holds {len(data)} lengths, over the limit of "
-                             f"{PLAN_MAX_SEQUENCES} sequences per global batch; give fewer")
-    try:
-        lengths = [parse_int(x, f"--lengths {path}: [{i}]", minimum=1, maximum=MAX_SEQ_LENGTH,
-                             text=False) for i, x in enumerate(data)]
-    except CPConfigError as err:
-        raise PlanInputError(str(err.violations[0])) from None
-    return Batch(tuple(lengths), False)
 
 
 @dataclass(frozen=True)
