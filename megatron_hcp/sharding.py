@@ -21,6 +21,8 @@ This module sits below the attention backend, the dynamic-CP packing and the tra
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +65,27 @@ class MicroBatch:
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: Any = None
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch with its tensors and its packed-sequence boundaries on ``device``;
+        itself when they are all there (a CPU run copies nothing). ``packed_seq_params`` is
+        copied, never changed in place."""
+        device = torch.device(device)
+        params = self.packed_seq_params
+        held = [self.tokens, self.labels, self.loss_mask, self.position_ids]
+        if params is not None:
+            held += [v for v in vars(params).values() if isinstance(v, torch.Tensor)]
+        if all(t.device == device for t in held):
+            return self
+        if params is not None:
+            params = copy.copy(params)
+            for name, value in list(vars(params).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(params, name, value.to(device))
+        return dataclasses.replace(
+            self, tokens=self.tokens.to(device), labels=self.labels.to(device),
+            loss_mask=self.loss_mask.to(device), position_ids=self.position_ids.to(device),
+            packed_seq_params=params)
 
 
 def check_partition_mode(cp_partition_mode: object) -> str:

@@ -36,11 +36,8 @@ megatron-hcp's scheduler and data path:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,12 +45,15 @@ import torch.distributed as dist
 
 from ..attention.partition import partition_mode
 from ..config import CPConfig, CPConfigError, Violation
+from ..dynamic_cp.step import PlannedMicroBatches, plan_step, schedule_arguments
 from ..parallel_state.dynamic import attach_dynamic_cp_groups, dynamic_cp_groups_of
 from ..patching.registry import Target
 from .config import cp_config_from_bridge
 
 __all__ = ["DynamicCPForwardBackward", "DynamicMicroBatches", "bridge_batch_samples",
            "cp_config_of", "dynamic_cp_steps", "prepare_config"]
+
+DynamicMicroBatches = PlannedMicroBatches  # its name before the step was shared with the trainer
 
 logger = logging.getLogger("megatron_hcp")
 
@@ -268,16 +268,6 @@ def bridge_batch_samples(batch: dict[str, Any]) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- schedule
-class DynamicMicroBatches(Iterator):
-    """This rank's packed dynamic-CP micro-batches of one step, for Bridge's forward step."""
-
-    def __init__(self, micro_batches: list[Any]):
-        self._items = iter(micro_batches)
-
-    def __next__(self) -> Any:
-        return next(self._items)
-
-
 class _DynamicPackedMetadata(dict):
     """The packed-sequence metadata Bridge's forward step passes on, for a dynamic micro-batch:
     the ready ``PackedSeqParams`` (its CP group included). Empty as a dict, so Bridge's FLOPs
@@ -292,7 +282,7 @@ def _make_get_batch(original):
     @functools.wraps(original)
     def get_batch(data_iterator, cfg, use_mtp=False, *, pg_collection, vp_stage=None):
         """Bridge's; a dynamic-CP micro-batch is taken as it is (already this rank's share)."""
-        if isinstance(data_iterator, DynamicMicroBatches):
+        if isinstance(data_iterator, PlannedMicroBatches):
             mb = next(data_iterator)
             return (mb.tokens, mb.labels, mb.loss_mask, None, mb.position_ids,
                     _DynamicPackedMetadata(mb.packed_seq_params))
@@ -310,18 +300,6 @@ def _make_get_packed_seq_params(original):
         return original(batch)
 
     return get_packed_seq_params
-
-
-def _to_device(mb: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return mb
-    params = copy.copy(mb.packed_seq_params)
-    for name, value in list(vars(params).items()):
-        if isinstance(value, torch.Tensor):
-            setattr(params, name, value.to(device))
-    return dataclasses.replace(mb, tokens=mb.tokens.to(device), labels=mb.labels.to(device),
-                               loss_mask=mb.loss_mask.to(device),
-                               position_ids=mb.position_ids.to(device), packed_seq_params=params)
 
 
 class DynamicCPForwardBackward:
@@ -381,18 +359,12 @@ class DynamicCPForwardBackward:
         for _ in range(kwargs["num_microbatches"]):
             samples.extend(bridge_batch_samples(next(source)))
         base = pg_collection.dp.rank() << 32  # ids unique over the DP group
-        plan, micro = path.step([base + k for k in range(len(samples))],
-                                lambda i: samples[i - base])
+        step = plan_step(path, [base + k for k in range(len(samples))],
+                         lambda i: samples[i - base], next(chunks[0].parameters()).device)
         if not kwargs.get("forward_only", False):
-            _record_step(model_config, plan, groups.a2a_size)
-        device = next(chunks[0].parameters()).device
-        micro = [_to_device(mb, device) for mb in micro]
-        longest = max(int(mb.tokens.shape[1]) for mb in micro)
-        kwargs.update(
-            data_iterator=([DynamicMicroBatches(micro) for _ in chunks] if len(chunks) > 1
-                           else DynamicMicroBatches(micro)),
-            num_microbatches=len(micro), seq_length=longest, micro_batch_size=1,
-            decoder_seq_length=longest)
+            _record_step(model_config, step.plan, groups.a2a_size)
+        kwargs.update(schedule_arguments(step.micro_batches, len(chunks)))
+        kwargs["decoder_seq_length"] = kwargs["seq_length"]
         return self.schedule(**kwargs)
 
 

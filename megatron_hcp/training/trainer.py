@@ -8,7 +8,6 @@ runs with different parallel layouts can be compared step by step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig, CPConfigError, Violation
+from ..dynamic_cp.step import plan_step, schedule_arguments
 from ..layers.norm import uses_torch_norms, with_sequence_parallel_norms
 from ..parallel_state.groups import collective_device
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -278,21 +278,6 @@ def _device(spec: TinyGPTSpec) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _to_device(mb: Any, device: torch.device) -> Any:
-    """``mb`` with its tensors (and its packed-sequence boundaries) on ``device``."""
-    if device.type == "cpu":
-        return mb
-    params = mb.packed_seq_params
-    if params is not None:
-        params = copy.copy(params)
-        for name, value in vars(params).items():
-            if isinstance(value, torch.Tensor):
-                setattr(params, name, value.to(device))
-    return dataclasses.replace(mb, tokens=mb.tokens.to(device), labels=mb.labels.to(device),
-                               loss_mask=mb.loss_mask.to(device),
-                               position_ids=mb.position_ids.to(device), packed_seq_params=params)
-
-
 def _groups(pg_collection):
     if pg_collection is not None:
         return pg_collection
@@ -447,8 +432,7 @@ class _StepData:
             return out
 
         if self.path is not None:
-            _, micro = self.path.step(ids, load)
-            return micro
+            return plan_step(self.path, ids, load, _device(spec)).micro_batches
         samples = [load(i) for i in ids]
         k = v.samples_per_micro_batch
         tp = spec.tensor_model_parallel_size if spec.sequence_parallel else 1
@@ -543,22 +527,19 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
         first = spec.resume_from_step
     for step in range(first, spec.steps):
         started = time.perf_counter()
-        micro = [_to_device(mb, _device(spec)) for mb in data.micro_batches(step)]
+        micro = [mb.to(_device(spec)) for mb in data.micro_batches(step)]
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        iterator = ([iter(micro) for _ in model] if len(model) > 1 else iter(micro))
-        reports = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iterator,
-            model=model,
-            num_microbatches=len(micro),
-            seq_length=spec.seq_length if spec.varlen is None else max(
-                int(mb.tokens.shape[1]) for mb in micro),
-            micro_batch_size=spec.micro_batch_size if spec.varlen is None else 1,
-            forward_only=False,
-            **schedule_groups,
-        )
+        common = dict(forward_step_func=forward_step, model=model, forward_only=False,
+                      **schedule_groups)
+        if spec.varlen is None:  # fixed-length rows
+            reports = forward_backward(
+                data_iterator=[iter(micro) for _ in model] if len(model) > 1 else iter(micro),
+                num_microbatches=len(micro), seq_length=spec.seq_length,
+                micro_batch_size=spec.micro_batch_size, **common)
+        else:  # packed rows, static or dynamic CP: the arguments Bridge's loop gets too
+            reports = forward_backward(**common, **schedule_arguments(micro, len(model)))
         _, grad_norm, num_zeros = optimizer.step()
         history["loss"].append(_global_loss(reports, pgs))
         history["grad_norm"].append(float(grad_norm))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,15 +115,19 @@ def test_micro_batches_move_whole_to_the_compute_device():
     import pytest
 
     from megatron_hcp.dynamic_cp.packing import pack_thd
-    from megatron_hcp.training.trainer import TinyGPTSpec, _device, _to_device
+    from megatron_hcp.training.trainer import TinyGPTSpec, _device
 
     mb = pack_thd([varlen_sample(3, 0, i, n, 50) for i, n in enumerate((5, 9))], 2, 1)
-    assert _to_device(mb, torch.device("cpu")) is mb
-    moved = _to_device(mb, torch.device("meta"))
+    assert mb.to(torch.device("cpu")) is mb and mb.to("cpu") is mb
+    moved = mb.to(torch.device("meta"))
     tensors = [moved.tokens, moved.labels, moved.loss_mask, moved.position_ids,
                *(v for v in vars(moved.packed_seq_params).values() if torch.is_tensor(v))]
     assert len(tensors) >= 8 and all(t.device.type == "meta" for t in tensors)
     assert mb.packed_seq_params.cu_seqlens_q.device.type == "cpu"  # the original is untouched
+    assert moved.to("meta") is moved  # already there: nothing copied
+    # a batch without packed-sequence boundaries (fixed-length rows) moves too
+    plain = dataclasses.replace(mb, packed_seq_params=None).to("meta")
+    assert plain.packed_seq_params is None and plain.tokens.device.type == "meta"
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda'"):
             _device(TinyGPTSpec(device="cuda"))
