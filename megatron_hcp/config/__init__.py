@@ -36,6 +36,8 @@ from .rules import (
     Backend,
     CPConfig,
     comm_type_or_default,
+    describe_levels,
+    dynamic_levels,
     is_power_of_two,
 )
 from .values import (
@@ -76,6 +78,8 @@ __all__ = [
     "argument_type",
     "check_pairs",
     "comm_type_or_default",
+    "describe_levels",
+    "dynamic_levels",
     "is_power_of_two",
     "parse_bool",
     "parse_float",

@@ -29,6 +29,8 @@ __all__ = [
     "SOFTMAX_TYPES",
     "Backend",
     "comm_type_or_default",
+    "describe_levels",
+    "dynamic_levels",
     "is_power_of_two",
 ]
 
@@ -106,6 +108,28 @@ def _type_violations(config: CPConfig) -> list[Violation]:
 def is_power_of_two(n: int) -> bool:
     """The one power-of-two rule (dynamic CP sizes, DPxCP, aligned blocks)."""
     return n >= 1 and (n & (n - 1)) == 0
+
+
+def dynamic_levels(group_size: int, a2a_size: int | None) -> tuple[int, int]:
+    """The one rule for the (a2a, p2p) level sizes of a dynamic CP group of ``group_size``
+    ranks: under dynamic hierarchical CP (``a2a_size`` = ``hierarchical_context_parallel_sizes
+    [0]``) a2a = ``min(c, a)`` contiguous ranks and p2p = ``c / a2a`` (``p2p == 1``: pure a2a);
+    without it (None, or 1) a flat ring: ``(1, c)``."""
+    if not a2a_size or a2a_size <= 1:
+        return 1, group_size
+    a2a = min(group_size, a2a_size)
+    return a2a, group_size // a2a
+
+
+def describe_levels(group_size: int, a2a_size: int | None) -> str:
+    """What a dynamic CP group of ``group_size`` ranks runs, in words (:func:`dynamic_levels`):
+    ``no CP``, ``p2p 4``, ``pure a2a over 4`` or ``a2a 2 x p2p 4``."""
+    if group_size == 1:
+        return "no CP"
+    a2a, p2p = dynamic_levels(group_size, a2a_size)
+    if a2a == 1:
+        return f"p2p {p2p}"
+    return f"pure a2a over {a2a}" if p2p == 1 else f"a2a {a2a} x p2p {p2p}"
 
 
 @dataclass
@@ -590,12 +614,10 @@ class CPConfig:
                 "sliding window, where a rank needs K/V only from its neighbours")
 
     def dynamic_levels(self, size: int) -> tuple[int, int]:
-        """(a2a, p2p) level sizes of a dynamic CP group of ``size`` ranks under dynamic HCP:
-        a2a = min(size, a) (contiguous ranks), p2p = size / a2a; (size, 1) without HCP."""
-        if not self.uses_hierarchical or not self.hierarchical_context_parallel_sizes:
-            return size, 1
-        a2a = min(size, self.a2a_size)
-        return a2a, size // a2a
+        """(a2a, p2p) level sizes of a dynamic CP group of ``size`` ranks (:func:`dynamic_levels`:
+        a flat ring ``(1, size)`` without hierarchical CP)."""
+        hierarchical = self.uses_hierarchical and self.hierarchical_context_parallel_sizes
+        return dynamic_levels(size, self.a2a_size if hierarchical else None)
 
     def _check_dynamic_hierarchical(self, n: int, out: list[Violation],
                                     advice: list[str]) -> None:
@@ -627,9 +649,7 @@ class CPConfig:
             sizes = []
             c = max(1, self.min_dynamic_context_parallel_size)
             while c <= n:
-                a2a, p2p = self.dynamic_levels(c)
-                sizes.append("1: no CP" if c == 1 else f"{c}: pure a2a over {a2a}"
-                             if p2p == 1 else f"{c}: a2a {a2a} x p2p {p2p}")
+                sizes.append(f"{c}: {describe_levels(c, self.a2a_size)}")
                 c *= 2
             advice.append("dynamic hierarchical CP, levels per dynamic group size: "
                           + "; ".join(sizes))

@@ -77,19 +77,9 @@ def _dynamic_hcp_a2a_size(args: argparse.Namespace) -> int:
     return sizes[0]
 
 
-def _levels(size: int, a2a_size: int | None) -> str:
-    from .projection import dynamic_levels
-
-    if size == 1:
-        return "no CP"
-    if a2a_size is None:
-        return f"p2p {size}"
-    a2a, p2p = dynamic_levels(size, a2a_size)
-    return f"a2a {a2a}" if p2p == 1 else f"a2a {a2a} x p2p {p2p}"
-
-
 def _schedule(args: argparse.Namespace) -> int:
-    from .projection import Cluster, Hardware, dynamic_levels, plan_seconds
+    from ..config import describe_levels, dynamic_levels
+    from .projection import Cluster, Hardware, plan_seconds
     from .scheduler import schedule
     from .workload import GPTWorkload, ScheduleError
 
@@ -168,8 +158,8 @@ def _schedule(args: argparse.Namespace) -> int:
         for g in mb.groups:
             ranks = (f"rank {g.ranks[0]}" if len(g.ranks) == 1
                      else f"ranks {g.ranks[0]}-{g.ranks[-1]}")
-            print(f"    group of {len(g.ranks)} ({ranks}) = {_levels(len(g.ranks), a2a_size)}: "
-                  f"samples {list(g.samples)}")
+            levels = describe_levels(len(g.ranks), a2a_size)
+            print(f"    group of {len(g.ranks)} ({ranks}) = {levels}: samples {list(g.samples)}")
     for note in plan.notes:
         print(f"note: {note}")
     return 0

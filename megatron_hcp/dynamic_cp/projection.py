@@ -36,6 +36,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..config import dynamic_levels
 from ..sharding import contiguous_window_reach
 from .workload import GPTWorkload
 
@@ -420,15 +421,6 @@ def pipeline_bubble_seconds(micro_batch_seconds: Sequence[float], pp: int,
 # --------------------------------------------------------------------------------------------
 # Dynamic (hierarchical) CP on two link classes: the planner's accounting per dynamic group.
 # --------------------------------------------------------------------------------------------
-
-
-def dynamic_levels(group_size: int, hcp_a2a_size: int | None) -> tuple[int, int]:
-    """(a2a, p2p) level sizes of a CP group of ``group_size`` ranks: a2a = ``min(c, a)``,
-    p2p = ``c / a2a``; ``(1, c)`` (a flat ring) without hierarchical CP."""
-    if not hcp_a2a_size or hcp_a2a_size <= 1:
-        return 1, group_size
-    a2a = min(group_size, hcp_a2a_size)
-    return a2a, group_size // a2a
 
 
 def dynamic_group_seconds(workload: GPTWorkload, length: int, ranks: Sequence[int],

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import is_power_of_two
+from ..config import dynamic_levels, is_power_of_two
 
 __all__ = [
     "ORDERS",
@@ -232,7 +232,7 @@ def dynamic_hcp_levels(block: Sequence[int], a2a_size: int) -> tuple[Groups, Gro
     if not is_power_of_two(a2a_size) or not is_power_of_two(c):
         raise ValueError(f"a dynamic group of {c} ranks with an a2a level of {a2a_size}: both "
                          "must be powers of two")
-    if c <= a2a_size:
+    a2a, p2p = dynamic_levels(c, a2a_size)  # the one rule of the level sizes
+    if p2p == 1:
         return None
-    a2a, p2p = hierarchical_level_groups(list(block), [a2a_size, c // a2a_size])
-    return a2a, p2p
+    return hierarchical_level_groups(list(block), [a2a, p2p])

@@ -348,3 +348,14 @@ def test_dynamic_hierarchical_cp_is_accepted_with_its_levels_explained():
     assert any("1: no CP; 2: pure a2a over 2; 4: a2a 2 x p2p 2; 8: a2a 2 x p2p 4" in a
                for a in advice), advice
     assert [config.dynamic_levels(c) for c in (1, 2, 4, 8)] == [(1, 1), (2, 1), (2, 2), (2, 4)]
+    # one rule and one convention for every user: a flat ring without hierarchical CP
+    from megatron_hcp.config import describe_levels, dynamic_levels
+    from megatron_hcp.dynamic_cp.projection import dynamic_levels as projection_levels
+
+    assert projection_levels is dynamic_levels
+    flat = CPConfig(context_parallel_size=4, dynamic_context_parallel=True,
+                    max_seqlen_per_dp_cp_rank=64)
+    assert flat.dynamic_levels(8) == dynamic_levels(8, None) == (1, 8)
+    assert [describe_levels(c, 2) for c in (1, 2, 8)] == ["no CP", "pure a2a over 2",
+                                                          "a2a 2 x p2p 4"]
+    assert describe_levels(8, None) == "p2p 8"

@@ -100,8 +100,8 @@ def test_cli_prints_the_levels_of_every_group(tmp_path, capsys):
         levels = line.split(" = ")[1].split(":")[0]
         if c == 1:
             assert levels == "no CP"
-        elif c <= 4:
-            assert levels == f"a2a {c}"
+        elif c <= 4:  # the words of check-config's advice (config.describe_levels)
+            assert levels == f"pure a2a over {c}"
         else:
             assert levels == f"a2a 4 x p2p {c // 4}"
     assert any(" x p2p " in line for line in groups)
