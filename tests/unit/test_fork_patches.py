@@ -224,16 +224,31 @@ def test_files_the_diffs_do_not_change_may_hold_any_bytes(pristine, tmp_path, ca
 RELEASES = ("0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
 
 
+# released wheels never change: kept between runs and stacks (ignored by git)
+WHEEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "wheels"
+
+
+def release_wheel(version: str, scratch: Path) -> Path:
+    """megatron-core ``version``'s wheel from the package index, downloaded once into
+    :data:`WHEEL_CACHE` (through ``scratch``, then renamed: never a partial file there)."""
+    cached = sorted(WHEEL_CACHE.glob(f"megatron_core-{version}-*.whl"))
+    if cached:
+        return cached[0]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--no-cache-dir", "--only-binary=:all:", "--python-version", "3.12",
+                    "-d", str(scratch), f"megatron-core=={version}"], check=True)
+    (wheel,) = scratch.glob("*.whl")
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.move(str(wheel), WHEEL_CACHE / wheel.name))
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """Each release's ``megatron`` package, unpacked from its wheel on the package index."""
     out = {}
     for version in RELEASES:
         where = tmp_path_factory.mktemp(f"mcore-{version}")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--no-cache-dir", "--only-binary=:all:", "--python-version", "3.12",
-                        "-d", str(where), f"megatron-core=={version}"], check=True)
-        (wheel,) = where.glob("*.whl")
+        wheel = release_wheel(version, where)
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(where / "src", [n for n in zf.namelist() if n.startswith("megatron/")])
         out[version] = where / "src"
