@@ -9,4 +9,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$("$root/scripts/setup_env.sh" | tail -n 1)"
 cd "$root"
 "$venv/bin/ruff" check megatron_hcp tests benchmarks
-exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile "$@"
+# one test worker: the multi-rank tests are gloo worlds of 4-8 processes whose ranks poll while
+# they wait, so two such worlds at once on a 2-core machine slow each other far more than 2x
+# (test_megatron_cp.py: 112 s alone, its MLA test 11 s alone and 67-276 s beside another
+# world) and time out; py311's whole suite took 18:44 with one worker (2026-11-27)
+exec "$venv/bin/python" -m pytest -q -n 1 --dist loadfile "$@"
