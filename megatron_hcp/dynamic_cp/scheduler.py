@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import CPConfigError, is_power_of_two, parse_int
+from ..config import CPConfigError, dynamic_levels, is_power_of_two, parse_int
 from ..sharding import layout_unit
-from .projection import Cluster, Hardware, dynamic_levels, group_pricer
+from .projection import Cluster, Hardware, group_pricer
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
 __all__ = ["Group", "MicroBatch", "Plan", "schedule"]

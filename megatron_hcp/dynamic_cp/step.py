@@ -56,7 +56,6 @@ class DynamicStep:
     micro_batches: list[MicroBatch]
 
 
-
 def plan_step(path: DynamicCPDataPath, ids: Sequence[int], load: Callable[[int], torch.Tensor],
               device: torch.device) -> DynamicStep:
     """Schedule the samples ``ids`` this rank's DP replica loaded (``load(i)``: an int64

@@ -95,9 +95,8 @@ def partition_shares(length: int, cp: int, mode: str = "zigzag", window: int | N
     return tuple(w / mean for w in work)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def partition_load(length: int, cp: int, mode: str = "zigzag", window: int | None = None,
-                   a2a_size: int = 1) -> float:
+def partition_load(length: int, cp: int, mode: str = "zigzag", window: int | None = None
+                   ) -> float:
     """Max over mean of the ranks' causal attention entries (:func:`partition_shares`): zigzag
     (chunks r and 2cp-1-r) balances them (1.0, its padding ignored); contiguous (slice r) gives
     the last rank up to ``(2cp-1)/cp`` of the mean without a window, about 1.0 with a window
@@ -106,7 +105,7 @@ def partition_load(length: int, cp: int, mode: str = "zigzag", window: int | Non
     if cp <= 1 or length <= 0 or (mode == "zigzag" and window is None):
         check_partition_mode(mode)
         return 1.0  # zigzag's chunks balance causal work (up to padding)
-    return max(partition_shares(length, cp, mode, window, a2a_size))
+    return max(partition_shares(length, cp, mode, window))
 
 
 @dataclass(frozen=True)
@@ -156,11 +155,8 @@ class GPTWorkload:
         return partition_shares(length, group_size, self.cp_partition_mode, window, a2a_size)
 
     def attention_load(self, length: int, group_size: int, a2a_size: int = 1) -> float:
-        """The slowest rank's attention over the mean rank's (:func:`partition_load`)."""
-        if self.balanced or group_size <= 1:
-            return 1.0
-        window = self.window if self.mode == "flops" else None
-        return partition_load(length, group_size, self.cp_partition_mode, window, a2a_size)
+        """The slowest rank's attention over the mean rank's."""
+        return max(self.attention_shares(length, group_size, a2a_size))
 
     @property
     def head_dim(self) -> int:
@@ -204,8 +200,7 @@ class GPTWorkload:
         rank; the mean rank's is ``cost(length, 1) / group_size``. ``a2a_size``: hierarchical
         CP's a2a level (its ranks split heads, so the layout's imbalance is over the ring)."""
         linear, attention = self._parts(length)
-        if not self.balanced and group_size > 1:
-            attention *= self.attention_load(length, group_size, a2a_size)
+        attention *= self.attention_load(length, group_size, a2a_size)
         return (linear + attention) / group_size
 
     def rank_costs(self, length: int, group_size: int, a2a_size: int = 1) -> list[float]:
