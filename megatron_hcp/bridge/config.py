@@ -16,19 +16,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
+from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, fields_read_by, parse_value
 
 __all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "world_size_before_init"]
 
-# CPConfig fields a Bridge model config may carry, by the same name
-MODEL_FIELDS = (
-    "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_attention_heads",
-    "num_query_groups", "num_layers", "seq_length", "dynamic_context_parallel",
-    "min_dynamic_context_parallel_size", "max_seqlen_per_dp_cp_rank", "hybrid_context_parallel",
-    "calculate_per_token_loss", "cuda_graph_impl", "enable_cuda_graph", "window_size",
-    "softmax_type", "cp_partition_mode",
-)
+# CPConfig fields a Bridge model config may carry, by the same name (the one field table,
+# config.values.FIELDS)
+MODEL_FIELDS = fields_read_by("bridge")
 
 
 def world_size_before_init() -> int:

@@ -21,7 +21,10 @@ Modules, each importing only those above it in this list (and nothing else of th
   bounds of every count (:data:`LIMITS`, :data:`MAX_RANKS`, ...), :data:`FIELD_KINDS` and
   :func:`argument_type` for argparse;
 * :mod:`.flags` - megatron's command-line flags (and ``key=value``) read into field values;
-* :mod:`.rules` - :class:`CPConfig` and its validation.
+* :mod:`.topology` - :class:`Topology`, every fact derived from a setup and a world size (rank
+  lists, HCP levels, dynamic blocks, megatron's grids), and the one level rule
+  (:func:`dynamic_levels`);
+* :mod:`.rules` - :class:`CPConfig`, its validation and :meth:`CPConfig.resolve`.
 """
 
 from .errors import CPConfigError, Violation
@@ -35,6 +38,7 @@ from .rules import (
     SOFTMAX_TYPES,
     Backend,
     CPConfig,
+    Topology,
     comm_type_or_default,
     describe_levels,
     dynamic_levels,
@@ -42,6 +46,7 @@ from .rules import (
 )
 from .values import (
     FIELD_KINDS,
+    FIELDS,
     LIMITS,
     MAX_INT,
     MAX_RANKS,
@@ -49,6 +54,7 @@ from .values import (
     MAX_SEQUENCES,
     MAX_STEPS,
     argument_type,
+    fields_read_by,
     parse_bool,
     parse_float,
     parse_int,
@@ -63,6 +69,7 @@ __all__ = [
     "CPConfig",
     "DEFAULT_CP_COMM_TYPE",
     "CPConfigError",
+    "FIELDS",
     "FIELD_KINDS",
     "LIMITS",
     "MAX_INT",
@@ -74,9 +81,11 @@ __all__ = [
     "MIN_TE_VERSION_A2A_P2P_THD",
     "SOFTMAX_TYPES",
     "Backend",
+    "Topology",
     "Violation",
     "argument_type",
     "check_pairs",
+    "fields_read_by",
     "comm_type_or_default",
     "describe_levels",
     "dynamic_levels",

@@ -17,6 +17,7 @@ from typing import Literal
 
 from .errors import CPConfigError, Violation
 from .flags import check_pairs, read_flags
+from .topology import Topology, describe_levels, dynamic_levels, is_power_of_two
 from .values import _VERSION_TEXT, FIELD_KINDS, LIMITS, MAX_RANKS, parse_version, version_tuple
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "MIN_TE_VERSION_A2A_P2P_THD",
     "SOFTMAX_TYPES",
     "Backend",
+    "Topology",
     "comm_type_or_default",
     "describe_levels",
     "dynamic_levels",
@@ -103,33 +105,6 @@ def _type_violations(config: CPConfig) -> list[Violation]:
                                  + f", not {type(value).__name__}",
                                  f"pass {wanted}{hint}"))
     return out
-
-
-def is_power_of_two(n: int) -> bool:
-    """The one power-of-two rule (dynamic CP sizes, DPxCP, aligned blocks)."""
-    return n >= 1 and (n & (n - 1)) == 0
-
-
-def dynamic_levels(group_size: int, a2a_size: int | None) -> tuple[int, int]:
-    """The one rule for the (a2a, p2p) level sizes of a dynamic CP group of ``group_size``
-    ranks: under dynamic hierarchical CP (``a2a_size`` = ``hierarchical_context_parallel_sizes
-    [0]``) a2a = ``min(c, a)`` contiguous ranks and p2p = ``c / a2a`` (``p2p == 1``: pure a2a);
-    without it (None, or 1) a flat ring: ``(1, c)``."""
-    if not a2a_size or a2a_size <= 1:
-        return 1, group_size
-    a2a = min(group_size, a2a_size)
-    return a2a, group_size // a2a
-
-
-def describe_levels(group_size: int, a2a_size: int | None) -> str:
-    """What a dynamic CP group of ``group_size`` ranks runs, in words (:func:`dynamic_levels`):
-    ``no CP``, ``p2p 4``, ``pure a2a over 4`` or ``a2a 2 x p2p 4``."""
-    if group_size == 1:
-        return "no CP"
-    a2a, p2p = dynamic_levels(group_size, a2a_size)
-    if a2a == 1:
-        return f"p2p {p2p}"
-    return f"pure a2a over {a2a}" if p2p == 1 else f"a2a {a2a} x p2p {p2p}"
 
 
 @dataclass
@@ -743,6 +718,33 @@ class CPConfig:
                     "set max_seqlen_per_dp_cp_rank to the tokens one rank may hold",
                 )
             )
+
+    # ------------------------------------------------------------------ resolution
+    def resolve(self, world_size: int | None = None, *, expert_model_parallel_size: int = 1,
+                expert_tensor_parallel_size: int | None = None, order: str = "tp-cp-ep-dp-pp",
+                rank_offset: int = 0) -> Topology:
+        """Validate, then derive every fact of this setup on ``world_size`` ranks (default:
+        ``tp*pp*cp*dp``) starting at ``rank_offset``: the one :class:`~.topology.Topology` the
+        process groups, the planner and the clients read. Pure; raises :class:`CPConfigError`
+        (every rule, and ``tp*pp*cp*dp`` against ``world_size``) before anything is built."""
+        self.validate()
+        world = self.world_size if world_size is None else world_size
+        if self.world_size != world:
+            model = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                     * self.context_parallel_size)
+            raise CPConfigError([Violation(
+                "data_parallel_size", self.data_parallel_size,
+                f"tp*pp*cp*dp={self.world_size} must equal the world size {world}",
+                f"set data_parallel_size = world_size / (tp * pp * cp) = {world / model:g}")])
+        hcp = self.hierarchical_context_parallel_sizes if self.uses_hierarchical else None
+        return Topology(
+            world_size=world, tp=self.tensor_model_parallel_size,
+            cp=self.context_parallel_size, pp=self.pipeline_model_parallel_size,
+            ep=expert_model_parallel_size,
+            etp=expert_tensor_parallel_size or self.tensor_model_parallel_size, order=order,
+            hierarchical_sizes=tuple(hcp) if hcp else None, rank_offset=rank_offset,
+            dynamic_min_size=self.min_dynamic_context_parallel_size if self.dynamic else None,
+            dynamic_a2a_size=self.a2a_size if self.dynamic and hcp else None, config=self)
 
     # ------------------------------------------------------------------ construction
     @classmethod

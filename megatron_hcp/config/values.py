@@ -17,6 +17,7 @@ from typing import Any
 from .errors import CPConfigError, Violation
 
 __all__ = [
+    "FIELDS",
     "FIELD_KINDS",
     "LIMITS",
     "MAX_INT",
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_SEQ_LENGTH",
     "MAX_STEPS",
     "argument_type",
+    "fields_read_by",
     "parse_bool",
     "parse_float",
     "parse_int",
@@ -63,32 +65,44 @@ _VERSION_TEXT = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc|\.post|\.dev)[0-9]+)*(\+[
 _BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False}
 _NONE_TEXT = ("none", "null")
 
-# CPConfig field -> kind for parse_value ("?" prefix: None allowed)
-FIELD_KINDS: dict[str, str] = {
-    "context_parallel_size": "size",
-    "cp_comm_type": "?strs",
-    "hierarchical_context_parallel_sizes": "?sizes",
-    "tensor_model_parallel_size": "size",
-    "pipeline_model_parallel_size": "size",
-    "data_parallel_size": "size",
-    "num_attention_heads": "?heads",
-    "num_query_groups": "?heads",
-    "num_layers": "?layers",
-    "seq_length": "?seqlen",
-    "dynamic_context_parallel": "bool",
-    "min_dynamic_context_parallel_size": "size",
-    "max_seqlen_per_dp_cp_rank": "?seqlen",
-    "hybrid_context_parallel": "bool",
-    "calculate_per_token_loss": "?bool",
-    "cuda_graph_impl": "str",
-    "enable_cuda_graph": "bool",
-    "use_megatron_fsdp": "bool",
-    "te_version": "?version",
-    "cp_attention_backend": "str",
-    "window_size": "?window",
-    "softmax_type": "str",
-    "cp_partition_mode": "str",
+# The one field table: CPConfig field -> (kind for parse_value, "?" prefix: None allowed; who
+# else reads the field by the same name: "r" a recipe's MODEL_ARGS flag, "b" Megatron-Bridge's
+# model config, "t" megatron's TransformerConfig, set by the trainer from the config)
+FIELDS: dict[str, tuple[str, str]] = {
+    "context_parallel_size": ("size", "rbt"),
+    "cp_comm_type": ("?strs", "rbt"),
+    "hierarchical_context_parallel_sizes": ("?sizes", "rbt"),
+    "tensor_model_parallel_size": ("size", "rbt"),
+    "pipeline_model_parallel_size": ("size", "rbt"),
+    "data_parallel_size": ("size", ""),
+    "num_attention_heads": ("?heads", "rbt"),
+    "num_query_groups": ("?heads", "rbt"),
+    "num_layers": ("?layers", "rbt"),
+    "seq_length": ("?seqlen", "rb"),
+    "dynamic_context_parallel": ("bool", "rb"),
+    "min_dynamic_context_parallel_size": ("size", "rb"),
+    "max_seqlen_per_dp_cp_rank": ("?seqlen", "rbt"),
+    "hybrid_context_parallel": ("bool", "rb"),
+    "calculate_per_token_loss": ("?bool", "rbt"),
+    "cuda_graph_impl": ("str", "b"),
+    "enable_cuda_graph": ("bool", "b"),
+    "use_megatron_fsdp": ("bool", ""),
+    "te_version": ("?version", ""),
+    "cp_attention_backend": ("str", ""),
+    "window_size": ("?window", "rb"),
+    "softmax_type": ("str", "b"),
+    "cp_partition_mode": ("str", "rb"),
 }
+# CPConfig field -> kind for parse_value (the table's first column)
+FIELD_KINDS: dict[str, str] = {name: kind for name, (kind, _) in FIELDS.items()}
+_READERS = {"recipe": "r", "bridge": "b", "transformer": "t"}
+
+
+def fields_read_by(reader: str) -> tuple[str, ...]:
+    """The CPConfig fields ``reader`` (``"recipe"``, ``"bridge"`` or ``"transformer"``) reads by
+    the same name, in the table's order."""
+    code = _READERS[reader]
+    return tuple(name for name, (_, readers) in FIELDS.items() if code in readers)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

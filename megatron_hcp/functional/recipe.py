@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bounded_read import InputFileError, read_yaml
-from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
+from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, fields_read_by, parse_value
 from ..data import data_dir
 from ..training.data import CORPORA
 from ..training.trainer import TinyGPTSpec, VarLen
@@ -74,13 +74,7 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--mock-samples-per-micro-batch": (None, "sequences"),
     "--mock-corpus": (None, "str"),  # motif (default) or markov: a corpus the model learns
 }
-_CP_RECIPE_FIELDS = ("num_layers", "num_attention_heads", "num_query_groups", "seq_length",
-                     "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "cp_comm_type",
-                     "hierarchical_context_parallel_sizes", "dynamic_context_parallel",
-                     "hybrid_context_parallel", "min_dynamic_context_parallel_size",
-                     "max_seqlen_per_dp_cp_rank", "calculate_per_token_loss",
-                     "cp_partition_mode", "window_size")
+_CP_RECIPE_FIELDS = fields_read_by("recipe")  # the one field table (config.values.FIELDS)
 _FLAGS: dict[str, tuple[str | None, str]] = {
     **{f"--{name.replace('_', '-')}": (name, FIELD_KINDS[name]) for name in _CP_RECIPE_FIELDS},
     **_SPEC_FLAGS,

@@ -11,9 +11,9 @@ installed megatron-core's ``ProcessGroupCollection`` declares is set like the MP
 ``*_ag`` are None).
 
 Before any group is created, every grid enumeration is checked against
-:class:`~megatron_hcp.parallel_state.layout.ParallelLayout` (the single source of the rank
-arithmetic, equal to the MPU path): a mismatch is an error on every rank, not a silent
-difference between the two initialization paths.
+:class:`~megatron_hcp.config.Topology` (``CPConfig.resolve``: the single source of the rank
+arithmetic, equal to the MPU path; every grid's shape is the topology's): a mismatch is an
+error on every rank, not a silent difference between the two initialization paths.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import CPConfig, CPConfigError, Violation
+from ..config import CPConfig, Topology
 from ..group_release import release_at_exit
 from .agreement import agree_on_config
 from .dynamic import attach_dynamic_cp_groups, create_dynamic_cp_groups, dynamic_cp_groups_of
 from .groups import destroy_groups, group_kwargs
-from .layout import ParallelLayout
 from .report import describe_cp_groups
 
 __all__ = ["LayoutDisagreementError", "create_pg_collection", "create_pg_collection_and_grid",
@@ -90,12 +89,12 @@ def grid_views_available() -> bool:
     return hasattr(HyperCommGrid, "register_view")
 
 
-def _hcp_levels(HyperCommGrid, grid, shape: list[int], grid_kwargs: dict):
+def _hcp_levels(HyperCommGrid, grid, topology: Topology, grid_kwargs: dict):
     """(rank enumeration of a level dim, group factory of a level dim, grid holding the view).
 
     A view of ``grid`` where grid views exist (megatron-core 0.19+), else a second grid.
     """
-    names = ["tp", "a2a", "p2p", "dp", "pp"]
+    shape, names = topology.hcp_grid
     if grid_views_available():
         grid.register_view("hcp", shape, names, shared_dims=["tp", "dp", "pp"])
         return (lambda dim: grid.get_rank_enum([dim], view="hcp"),
@@ -140,41 +139,28 @@ def create_pg_collection_and_grid(
                     grid_world_size=world_size, rank_offset=rank_offset, backend=backend,
                     group_timeout=timeout, pg_options=pg_options, hcp_pg_options=hcp_pg_options)
     release_at_exit()  # megatron's caches must not carry the groups into interpreter teardown
-    config.validate()
-    tp, cp, pp = (config.tensor_model_parallel_size, config.context_parallel_size,
-                  config.pipeline_model_parallel_size)
     world = world_size if world_size is not None else dist.get_world_size() - rank_offset
-    if config.world_size != world:
-        raise CPConfigError([Violation(
-            "data_parallel_size", config.data_parallel_size,
-            f"tp*pp*cp*dp={config.world_size} must equal the grid's {world} ranks",
-            f"set data_parallel_size = {world} / (tp * pp * cp) = {world / (tp * cp * pp):g}")])
-    dp = world // (tp * cp * pp)
-    hcp_sizes = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
-    etp = expert_tensor_parallel_size or tp
-    ep = expert_model_parallel_size
-    layout = ParallelLayout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp,
-                            hierarchical_sizes=tuple(hcp_sizes) if hcp_sizes else None,
-                            rank_offset=rank_offset)
+    topology = config.resolve(world, expert_model_parallel_size=expert_model_parallel_size,
+                              expert_tensor_parallel_size=expert_tensor_parallel_size,
+                              rank_offset=rank_offset)
     grid_kwargs = dict(rank_offset=rank_offset, backend=backend)
-    grid = HyperCommGrid([tp, cp, dp, pp], ["tp", "cp", "dp", "pp"], **grid_kwargs)
-    expert = HyperCommGrid([etp, ep, world // (etp * ep * pp), pp], ["tp", "ep", "dp", "pp"],
-                           **grid_kwargs)
+    grid = HyperCommGrid(*topology.dense_grid, **grid_kwargs)
+    expert = HyperCommGrid(*topology.expert_grid, **grid_kwargs)
     level_enum = make_level = None
     single_grid = True
-    if hcp_sizes:
-        level_enum, make_level, single_grid = _hcp_levels(
-            HyperCommGrid, grid, [tp, *hcp_sizes, dp, pp], grid_kwargs)
+    if topology.hierarchical_sizes:
+        level_enum, make_level, single_grid = _hcp_levels(HyperCommGrid, grid, topology,
+                                                          grid_kwargs)
 
     # ---- pure checks (no collective yet): grid enumerations equal the MPU layout
     for name, dims in _DENSE.items():
-        _check(name, grid.get_rank_enum(dims), layout.groups[_LAYOUT_NAME.get(name, name)],
+        _check(name, grid.get_rank_enum(dims), topology.groups[_LAYOUT_NAME.get(name, name)],
                ordered=len(dims) == 1)
     for name, dims in _EXPERT.items():
-        _check(name, expert.get_rank_enum(dims), layout.groups[name], ordered=len(dims) == 1)
+        _check(name, expert.get_rank_enum(dims), topology.groups[name], ordered=len(dims) == 1)
     if level_enum is not None:
         for level, dim in enumerate(("a2a", "p2p")):
-            _check(f"hcp[{level}]", level_enum(dim), layout.hcp[level], ordered=True)
+            _check(f"hcp[{level}]", level_enum(dim), topology.hcp[level], ordered=True)
 
     kwargs = group_kwargs(timeout, pg_options)
     groups: dict[str, Any] = {}
@@ -185,7 +171,7 @@ def create_pg_collection_and_grid(
         groups[name] = expert.create_pg(dims, group_desc=f"HCP_DECENTRALIZED_{name.upper()}",
                                         **kwargs)
     embd, pos = _embedding_groups(grid.get_rank_enum(["pp"]), get_embedding_ranks,
-                                  get_position_embedding_ranks, pp)
+                                  get_position_embedding_ranks, topology.pp)
     for name, rank_lists in (("embd", embd), ("pos_embd", pos)):
         groups[name], _ = dist.new_subgroups_by_enumeration(rank_lists, backend=backend,
                                                             **kwargs)
@@ -217,15 +203,15 @@ def create_pg_collection_and_grid(
         intra_expt_dp=groups["expt_dp"],
         inter_dist_opt=None,
     )
-    if config.dynamic_context_parallel:
+    if topology.dynamic:
         # not a ProcessGroupCollection field: attached (parallel_state.dynamic's accessor),
         # destroyed by destroy_pg_collection
         attach_dynamic_cp_groups(collection, create_dynamic_cp_groups(
-            layout.groups["dp_cp"], groups["dp_cp"], config.min_dynamic_context_parallel_size,
+            topology.groups["dp_cp"], groups["dp_cp"], topology.dynamic_min_size,
             timeout=timeout, pg_options=pg_options, agreement_timeout=agreement_timeout,
-            a2a_size=config.a2a_size if config.uses_hierarchical else None))
+            a2a_size=topology.dynamic_a2a_size))
     if dist.get_rank() == rank_offset:
-        for line in describe_cp_groups(layout):
+        for line in describe_cp_groups(topology):
             logger.info(line)
     return collection, (grid if single_grid else None)
 

@@ -36,16 +36,33 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parallel_layout(args: argparse.Namespace):
-    """The pure layout of ``args`` (validates sizes, order and HCP levels)."""
-    from .layout import ParallelLayout
+def _config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The CPConfig fields of a ``layout`` / ``verify-groups`` command line."""
+    model = args.tp * args.cp * args.pp
+    if args.world_size % model:
+        raise UsageError(f"--world-size {args.world_size} must be a multiple of tp*cp*pp="
+                         f"{model}; change --world-size or the sizes")
+    return dict(
+        context_parallel_size=args.cp,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        data_parallel_size=args.world_size // model,
+        # hierarchical sizes imply a2a+p2p only when no comm type is given; a given one is kept
+        # (and CPConfig refuses sizes without a2a+p2p, saying so)
+        cp_comm_type=getattr(args, "cp_comm_type", None) or ("a2a+p2p" if args.hcp else None),
+        hierarchical_context_parallel_sizes=args.hcp or None,
+    )
+
+
+def _topology(args: argparse.Namespace):
+    """The :class:`~megatron_hcp.config.Topology` of ``args`` (``CPConfig.resolve``: every
+    rule, the order, the expert sizes), before anything starts."""
+    from ..config import CPConfig, CPConfigError
 
     try:
-        return ParallelLayout(
-            world_size=args.world_size, tp=args.tp, cp=args.cp, pp=args.pp,
-            ep=getattr(args, "ep", 1), order=args.order,
-            hierarchical_sizes=tuple(args.hcp) if args.hcp else None)
-    except ValueError as err:
+        return CPConfig(**_config_kwargs(args)).resolve(
+            args.world_size, expert_model_parallel_size=getattr(args, "ep", 1), order=args.order)
+    except (CPConfigError, ValueError) as err:
         raise UsageError(f"invalid layout: {one_line(err)}") from None
 
 
@@ -61,29 +78,10 @@ def _layout(args: argparse.Namespace) -> int:
 
 
 def _verify_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """CPConfig fields of a verify-groups run, validated before any process starts."""
-    from ..config import CPConfig, CPConfigError
-
-    model = args.tp * args.cp * args.pp
-    if args.world_size % model:
-        raise UsageError(f"--world-size {args.world_size} must be a multiple of tp*cp*pp="
-                         f"{model}; change --world-size or the sizes")
-    _parallel_layout(args)
-    kwargs = dict(
-        context_parallel_size=args.cp,
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        data_parallel_size=args.world_size // model,
-        # hierarchical sizes imply a2a+p2p only when no comm type is given; a given one is kept
-        # (and CPConfig refuses sizes without a2a+p2p, saying so)
-        cp_comm_type=args.cp_comm_type or ("a2a+p2p" if args.hcp else None),
-        hierarchical_context_parallel_sizes=args.hcp or None,
-    )
-    try:
-        CPConfig(**kwargs).validate()
-    except CPConfigError as err:
-        raise UsageError(one_line(err)) from None
-    return kwargs
+    """CPConfig fields of a verify-groups run, validated and resolved before any process
+    starts."""
+    _topology(args)
+    return _config_kwargs(args)
 
 
 def _verify_groups(args: argparse.Namespace) -> int:
@@ -143,7 +141,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=size, default=1)
     p.add_argument("--order", default="tp-cp-ep-dp-pp")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_layout, check=_parallel_layout)
+    p.set_defaults(func=_layout, check=_topology)
 
     p = sub.add_parser(
         "verify-groups", help="build megatron's (H)CP groups on local gloo ranks and verify them"

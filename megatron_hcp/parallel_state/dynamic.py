@@ -2,7 +2,7 @@
 
 For a DPxCP group of ``N`` ranks and every power of two ``c`` from the minimum dynamic CP size up
 to ``N``, the ranks are cut into contiguous aligned blocks of ``c`` (the arithmetic of
-:func:`megatron_hcp.parallel_state.layout.dynamic_cp_blocks`). Size ``N`` is the DPxCP group
+:attr:`megatron_hcp.config.Topology.dynamic_blocks`). Size ``N`` is the DPxCP group
 itself and size 1 is "no CP" (no group, megatron's ``local_cp_size == 1`` convention), so only
 sizes strictly between are created. Creation is collective over the whole world and runs in
 the same order on every rank; a warm-up all-reduce on each new group makes a broken group fail
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.topology import dynamic_cp_blocks, dynamic_hcp_levels
 from .groups import collective_device, destroy_groups, group_kwargs
-from .layout import dynamic_cp_blocks, dynamic_hcp_levels
 
 __all__ = ["DynamicCPGroups", "attach_dynamic_cp_groups", "create_dynamic_cp_groups",
            "dynamic_cp_groups_of"]
@@ -105,9 +105,9 @@ def create_dynamic_cp_groups(
     (:func:`~megatron_hcp.parallel_state.agreement.agree`, bounded by ``agreement_timeout``).
 
     ``a2a_size`` (dynamic hierarchical CP): every dynamic group of more than ``a2a_size`` ranks
-    also gets its levels (:func:`~.layout.dynamic_hcp_levels`): the a2a level is the aligned
-    block of ``a2a_size`` ranks (one group per rank, shared by every size), the p2p level one
-    ring per size.
+    also gets its levels (:func:`~megatron_hcp.config.topology.dynamic_hcp_levels`): the a2a
+    level is the aligned block of ``a2a_size`` ranks (one group per rank, shared by every
+    size), the p2p level one ring per size.
     """
     from .agreement import agree
 

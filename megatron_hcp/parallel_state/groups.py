@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import Groups, hierarchical_level_groups
+from ..config.topology import Groups, hierarchical_level_groups
 
 __all__ = ["DefaultBackendDistributed", "collective_device", "create_hierarchical_groups",
            "destroy_groups", "group_kwargs",

@@ -3,7 +3,7 @@
 This is the only module that sets megatron's global process groups: it validates the
 :class:`~megatron_hcp.config.CPConfig` first (pure, so every rank raises the same error before any
 collective), calls megatron's ``initialize_model_parallel``, checks that megatron's groups equal
-:class:`~megatron_hcp.parallel_state.layout.ParallelLayout` on every rank with one small
+:class:`~megatron_hcp.config.Topology` (``CPConfig.resolve``) on every rank with one small
 all-gather, and logs the group lines on rank 0.
 """
 
@@ -20,12 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import CPConfig, CPConfigError, Violation
+from ..config import CPConfig, Topology
 from ..group_release import release_at_exit
 from .agreement import agree_on_config
 from .dynamic import DynamicCPGroups, create_dynamic_cp_groups
 from .groups import collective_device, destroy_groups
-from .layout import ParallelLayout
 from .report import describe_cp_groups
 
 __all__ = [
@@ -46,7 +45,7 @@ class LayoutMismatchError(RuntimeError):
     """megatron-core's groups differ from the computed layout, or ranks disagree on it."""
 
 
-def _layout_digest(layout: ParallelLayout) -> int:
+def _layout_digest(layout: Topology) -> int:
     text = json.dumps(layout.to_json(), sort_keys=True)
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
@@ -57,7 +56,7 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _megatron_groups(ps: Any, layout: ParallelLayout) -> dict[str, list[int]]:
+def _megatron_groups(ps: Any, layout: Topology) -> dict[str, list[int]]:
     ranks = dist.get_process_group_ranks
     found = {
         "tp": ranks(ps.get_tensor_model_parallel_group()),
@@ -72,7 +71,7 @@ def _megatron_groups(ps: Any, layout: ParallelLayout) -> dict[str, list[int]]:
     return found
 
 
-def verify_against_layout(ps: Any, layout: ParallelLayout) -> None:
+def verify_against_layout(ps: Any, layout: Topology) -> None:
     """Compare megatron's groups of this rank with ``layout`` and agree across ranks.
 
     One all-gather of (layout digest, mismatch flag); every rank raises the same error.
@@ -103,7 +102,7 @@ def verify_against_layout(ps: Any, layout: ParallelLayout) -> None:
 def initialize_model_parallel(
     config: CPConfig, *, order: str = "tp-cp-ep-dp-pp",
     agreement_timeout: timedelta | None = None, **megatron_kwargs: Any
-) -> ParallelLayout:
+) -> Topology:
     """Agree on ``config`` across ranks, validate it, initialize megatron's groups (incl.
     hierarchical CP), verify, log.
 
@@ -116,74 +115,46 @@ def initialize_model_parallel(
     """
     agree_on_config(config, tag="mpu", timeout=agreement_timeout, order=order,
                     **megatron_kwargs)
-    config.validate()
-    world = dist.get_world_size()
-    model = (
-        config.tensor_model_parallel_size
-        * config.pipeline_model_parallel_size
-        * config.context_parallel_size
-    )
-    if config.world_size != world:
-        raise CPConfigError(
-            [
-                Violation(
-                    "data_parallel_size",
-                    config.data_parallel_size,
-                    f"tp*pp*cp*dp={config.world_size} must equal the world size {world}",
-                    f"set data_parallel_size = world_size / (tp * pp * cp) = {world / model:g}",
-                )
-            ]
-        )
+    topology = config.resolve(dist.get_world_size(), order=order)  # every rule first
     from megatron.core import parallel_state as ps
 
-    hcp = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
+    hcp = topology.hierarchical_sizes
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size,
+        tensor_model_parallel_size=topology.tp,
+        pipeline_model_parallel_size=topology.pp,
+        context_parallel_size=topology.cp,
         hierarchical_context_parallel_sizes=list(hcp) if hcp else None,
         order=order,
         **megatron_kwargs,
     )
-    return _adopt(ps, config, order, megatron_kwargs.get("distributed_timeout_minutes"),
+    return _adopt(ps, topology, megatron_kwargs.get("distributed_timeout_minutes"),
                   agreement_timeout)
 
 
 def adopt_initialized_mpu(config: CPConfig, *, order: str = "tp-cp-ep-dp-pp",
                           distributed_timeout_minutes: int | None = None,
-                          agreement_timeout: timedelta | None = None) -> ParallelLayout:
+                          agreement_timeout: timedelta | None = None) -> Topology:
     """megatron's groups, initialized by another caller of megatron's
     ``initialize_model_parallel`` (e.g. Megatron-Bridge's own MPU path) for ``config``: checked
     against the layout on every rank, logged on rank 0 and, for dynamic CP, completed with its
     groups - as :func:`initialize_model_parallel` does after its own call. Collective."""
     from megatron.core import parallel_state as ps
 
-    config.validate()
-    return _adopt(ps, config, order, distributed_timeout_minutes, agreement_timeout)
+    topology = config.resolve(dist.get_world_size(), order=order)
+    return _adopt(ps, topology, distributed_timeout_minutes, agreement_timeout)
 
 
-def _adopt(ps: Any, config: CPConfig, order: str, timeout_minutes: int | None,
-           agreement_timeout: timedelta | None) -> ParallelLayout:
-    hcp = config.hierarchical_context_parallel_sizes if config.uses_hierarchical else None
-    layout = ParallelLayout(
-        world_size=dist.get_world_size(),
-        tp=config.tensor_model_parallel_size,
-        cp=config.context_parallel_size,
-        pp=config.pipeline_model_parallel_size,
-        order=order,
-        hierarchical_sizes=tuple(hcp) if hcp else None,
-    )
-    verify_against_layout(ps, layout)
+def _adopt(ps: Any, topology: Topology, timeout_minutes: int | None,
+           agreement_timeout: timedelta | None) -> Topology:
+    verify_against_layout(ps, topology)
     release_at_exit()  # megatron's caches must not carry the groups into interpreter teardown
-    if config.dynamic_context_parallel:
-        _create_dynamic_groups(ps, layout, config.min_dynamic_context_parallel_size,
-                               {"distributed_timeout_minutes": timeout_minutes},
-                               agreement_timeout,
-                               config.a2a_size if config.uses_hierarchical else None)
+    if topology.dynamic:
+        _create_dynamic_groups(ps, topology, {"distributed_timeout_minutes": timeout_minutes},
+                               agreement_timeout)
     if dist.get_rank() == 0:
-        for line in describe_cp_groups(layout):
+        for line in describe_cp_groups(topology):
             logger.info(line)
-    return layout
+    return topology
 
 
 # dynamic hierarchical CP on the MPU path: (a2a size, this rank's a2a group, p2p ring per size)
@@ -192,21 +163,20 @@ def _adopt(ps: Any, config: CPConfig, order: str, timeout_minutes: int | None,
 _DYNAMIC_HCP = "_MEGATRON_HCP_DYNAMIC_HCP_LEVELS"
 
 
-def _create_dynamic_groups(ps: Any, layout: ParallelLayout, min_size: int,
-                           megatron_kwargs: dict[str, Any],
-                           agreement_timeout: timedelta | None = None,
-                           a2a_size: int | None = None) -> None:
-    """Dynamic CP groups into megatron's ``_HYBRID_DP_CP_GROUPS`` (created by megatron's
-    ``create_group`` so that ``destroy_model_parallel`` destroys them); with ``a2a_size``
-    (dynamic hierarchical CP) each group's levels too."""
+def _create_dynamic_groups(ps: Any, topology: Topology, megatron_kwargs: dict[str, Any],
+                           agreement_timeout: timedelta | None = None) -> None:
+    """Dynamic CP groups of ``topology`` into megatron's ``_HYBRID_DP_CP_GROUPS`` (created by
+    megatron's ``create_group`` so that ``destroy_model_parallel`` destroys them); under dynamic
+    hierarchical CP each group's levels too."""
 
     minutes = megatron_kwargs.get("distributed_timeout_minutes")
     groups = create_dynamic_cp_groups(
-        layout.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
-        min_size, new_group=ps.create_group,
+        topology.groups["dp_cp"], ps.get_data_parallel_group(with_context_parallel=True),
+        topology.dynamic_min_size, new_group=ps.create_group,
         timeout=timedelta(minutes=minutes) if minutes else None,
-        agreement_timeout=agreement_timeout, a2a_size=a2a_size,
+        agreement_timeout=agreement_timeout, a2a_size=topology.dynamic_a2a_size,
     )
+    a2a_size = topology.dynamic_a2a_size
     setattr(ps, _DYNAMIC_HCP, None if a2a_size is None else (
         a2a_size, groups.a2a_group, dict(groups.p2p_by_size)))
     table = ps._HYBRID_DP_CP_GROUPS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .layout import Groups, ParallelLayout
+from ..config.topology import Groups, Topology
 
 __all__ = ["describe_cp_groups"]
 
@@ -15,7 +15,7 @@ def _fmt(groups: Groups) -> str:
     return json.dumps(groups, separators=(",", ":"))
 
 
-def describe_cp_groups(layout: ParallelLayout) -> list[str]:
+def describe_cp_groups(layout: Topology) -> list[str]:
     """``CONTEXT_PARALLEL_GROUP created: ...`` and, with HCP, the per-level line.
 
     Users grep for ``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``: it is present only when the

@@ -11,7 +11,7 @@ import functools
 import heapq
 from dataclasses import dataclass, field
 
-from ..config import CPConfig, CPConfigError
+from ..config import CPConfig, CPConfigError, Topology
 from ..dynamic_cp.projection import (
     Cluster,
     LayerComm,
@@ -29,7 +29,6 @@ from ..dynamic_cp.workload import (
     partition_load,
     tokens_per_rank,
 )
-from ..parallel_state.layout import ParallelLayout
 from ..sharding import layout_unit
 from .inputs import Batch, ModelSpec, Options
 
@@ -176,8 +175,8 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
                         rejected.append((layout, f"global batch {len(batch.lengths)} is not "
                                                  f"divisible by DP={dp}"))
                         continue
-                    try:
-                        layout.config(model, options).validate()
+                    try:  # a candidate is a setup that resolves to a Topology
+                        layout.config(model, options).resolve(world)
                     except CPConfigError as err:
                         rejected.append((layout, "; ".join(str(v) for v in err.violations)))
                         continue
@@ -192,7 +191,7 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
                     layout = Layout(tp, 1, pp, n, "p2p", None, None, True, m, None, mode=mode)
                     try:  # what the backend refuses is named (the cap is probed here only)
                         dataclasses.replace(layout, cap=batch.max_length).config(
-                            model, options).validate()
+                            model, options).resolve(world)
                     except CPConfigError as err:
                         rejected.append((layout, "; ".join(str(v) for v in err.violations)))
                         continue
@@ -281,7 +280,7 @@ class _Costs:
     """Per-micro-batch seconds of one rank for the whole model (the stage share is / PP)."""
 
     def __init__(self, model: ModelSpec, layout: Layout, cluster: Cluster, options: Options,
-                 recompute: str, grid: ParallelLayout):
+                 recompute: str, grid: Topology):
         self.model, self.layout, self.cluster = model, layout, cluster
         self.options, self.recompute = options, recompute
         self.workload = model.workload()
@@ -381,7 +380,8 @@ def _step(micro: list[list[tuple[float, float, float]]], pp: int, xfer: float, s
 def estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
              layout: Layout) -> Estimate | None:
     """Step time and memory of ``layout``; the recompute mode per ``options.recompute``.
-    Returns None for a dynamic layout whose token cap CPConfig rejects."""
+    Returns None for a layout that does not resolve (``CPConfig.resolve``), e.g. a dynamic one
+    whose token cap CPConfig rejects."""
     modes = ["selective", "full"] if options.recompute == "auto" else [options.recompute]
     result = None
     for mode in modes:
@@ -408,9 +408,10 @@ def _dynamic_cap(model: ModelSpec, batch: Batch, cluster: Cluster, options: Opti
 
 
 @functools.lru_cache(maxsize=8)  # a layout's recompute modes share its rank lists
-def _grid(world: int, tp: int, cp: int, pp: int, hcp: tuple[int, ...] | None
-          ) -> ParallelLayout:
-    return ParallelLayout(world, tp=tp, cp=cp, pp=pp, hierarchical_sizes=hcp)
+def _topology(model: ModelSpec, options: Options, layout: Layout, world: int) -> Topology:
+    """The candidate's one topology: its CPConfig resolved on the cluster's ranks (every rank
+    list the costs read comes from it)."""
+    return layout.config(model, options).resolve(world)
 
 
 def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
@@ -429,8 +430,10 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             layout.config(model, options).validate()
         except CPConfigError:
             return None
-    grid = _grid(cluster.world_size, layout.tp, layout.cp, layout.pp,
-                 tuple(layout.hcp) if layout.hcp else None)
+    try:
+        grid = _topology(model, options, layout, cluster.world_size)
+    except CPConfigError:
+        return None
     costs = _Costs(model, layout, cluster, options, recompute, grid)
     detail: dict = {}
     if layout.dynamic:

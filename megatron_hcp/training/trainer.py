@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import CPConfig, CPConfigError, Violation
+from ..config import CPConfig, CPConfigError, Topology, Violation, fields_read_by
 from ..dynamic_cp.step import plan_step, schedule_arguments
 from ..layers.norm import uses_torch_norms, with_sequence_parallel_norms
 from ..parallel_state.groups import collective_device
@@ -64,8 +64,9 @@ class TinyGPTSpec:
 
     Every CP and parallel setting, and the model shape the CP rules read (layers, heads, KV
     heads, sequence length), lives in ``config`` (:class:`~megatron_hcp.config.CPConfig`, the
-    one description of a CP setup) and is read through the spec by the same names
-    (``spec.context_parallel_size``). :meth:`of` takes them flat.
+    one validated input); every size derived from it is read from :attr:`topology`
+    (``spec.topology.cp``, ``spec.topology.dynamic``), never from the config's fields again.
+    :meth:`of` takes them flat.
     """
 
     config: CPConfig = field(default_factory=CPConfig)
@@ -97,11 +98,15 @@ class TinyGPTSpec:
         if missing:
             self.config = dataclasses.replace(self.config, **missing)
 
-    def __getattr__(self, name: str) -> Any:
-        """CPConfig's fields, read through the spec (they are stored once, in ``config``)."""
-        if name != "config" and name in _CP_FIELDS:
-            return getattr(self.config, name)
-        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+    @property
+    def topology(self) -> Topology:
+        """The one topology of ``config`` (``CPConfig.resolve``: validated, every size and group
+        derived once; resolved again only when ``config`` is replaced)."""
+        cached = self.__dict__.get("_topology")
+        if cached is None or cached.config is not self.config:
+            cached = self.config.resolve()
+            self.__dict__["_topology"] = cached
+        return cached
 
     @classmethod
     def of(cls, **kwargs: Any) -> TinyGPTSpec:
@@ -111,11 +116,8 @@ class TinyGPTSpec:
 
 
 # TransformerConfig fields the trainer sets from the spec (extra_config may not set them)
-_SET_BY_SPEC = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
-                "virtual_pipeline_model_parallel_size", "max_seqlen_per_dp_cp_rank",
-                "calculate_per_token_loss", "sequence_parallel")
+_SET_BY_SPEC = (*fields_read_by("transformer"), "hidden_size",
+                "virtual_pipeline_model_parallel_size", "sequence_parallel")
 
 
 def _transformer_config(spec: TinyGPTSpec):
@@ -133,9 +135,10 @@ def _transformer_config(spec: TinyGPTSpec):
     # multi-latent attention (extra_config multi_latent_attention=True plus MLA's head dims)
     config_class = (MLATransformerConfig if spec.extra_config.get("multi_latent_attention")
                     else TransformerConfig)
-    if spec.cp_partition_mode != "zigzag" and spec.extra_config.get("multi_latent_attention"):
+    mla = spec.extra_config.get("multi_latent_attention")
+    if spec.config.cp_partition_mode != "zigzag" and mla:
         raise CPConfigError([Violation(
-            "cp_partition_mode", spec.cp_partition_mode,
+            "cp_partition_mode", spec.config.cp_partition_mode,
             "multi-latent attention applies RoPE in its own code, which cuts zigzag only",
             "use cp_partition_mode=zigzag with MLA")])
     extra = dict(spec.extra_config)
@@ -149,20 +152,20 @@ def _transformer_config(spec: TinyGPTSpec):
                 "set window_size once, on the config")])
         extra["window_size"] = tuple(window)
     config = config_class(
-        num_layers=spec.num_layers,
+        num_layers=spec.config.num_layers,
         hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        tensor_model_parallel_size=spec.tensor_model_parallel_size,
-        pipeline_model_parallel_size=spec.pipeline_model_parallel_size,
-        context_parallel_size=spec.context_parallel_size,
+        num_attention_heads=spec.config.num_attention_heads,
+        num_query_groups=spec.config.num_query_groups,
+        tensor_model_parallel_size=spec.topology.tp,
+        pipeline_model_parallel_size=spec.topology.pp,
+        context_parallel_size=spec.topology.cp,
         cp_comm_type=spec.config.comm_type,
-        hierarchical_context_parallel_sizes=spec.hierarchical_context_parallel_sizes,
+        hierarchical_context_parallel_sizes=spec.config.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=spec.virtual_pipeline_model_parallel_size,
-        variable_seq_lengths=spec.varlen is not None and spec.pipeline_model_parallel_size > 1,
+        variable_seq_lengths=spec.varlen is not None and spec.topology.pp > 1,
         # (no MoE here; megatron rejects variable_seq_lengths with the allgather default)
         moe_token_dispatcher_type="alltoall",
-        max_seqlen_per_dp_cp_rank=spec.max_seqlen_per_dp_cp_rank,
+        max_seqlen_per_dp_cp_rank=spec.config.max_seqlen_per_dp_cp_rank,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         # on the GPU megatron builds parameters (and RoPE's frequencies) on the device, as users
@@ -185,7 +188,7 @@ def _transformer_config(spec: TinyGPTSpec):
     )
     # upstream's TransformerConfig field (megatron's development branch); on the releases
     # without it an attribute, which the reference attention and the RoPE patch read
-    config.cp_partition_mode = spec.cp_partition_mode
+    config.cp_partition_mode = spec.config.cp_partition_mode
     return config
 
 
@@ -323,7 +326,7 @@ def _build_chunks(spec: TinyGPTSpec, config: Any, pg_collection: Any, pgs: Any) 
             config=config,
             transformer_layer_spec=layers,
             vocab_size=spec.vocab_size,
-            max_sequence_length=spec.max_position_embeddings or spec.seq_length,
+            max_sequence_length=spec.max_position_embeddings or spec.config.seq_length,
             pre_process=pp_rank == 0 and vp == 0,
             post_process=pp_rank == pp_size - 1 and vp == vpp - 1,
             position_embedding_type="rope",
@@ -363,21 +366,22 @@ class _StepData:
         self.dp_size, self.dp_rank = pgs.dp.size(), pgs.dp.rank()
         self.cp_size, self.cp_rank = pgs.cp.size(), pgs.cp.rank()
         self.path = None
-        tp = spec.tensor_model_parallel_size
+        tp = spec.topology.tp
         if spec.sequence_parallel and spec.varlen is None and (
-                spec.seq_length // max(1, self.cp_size)) % tp:
+                spec.config.seq_length // max(1, self.cp_size)) % tp:
             raise ValueError(
-                f"sequence_parallel=True: seq_length={spec.seq_length} / "
+                f"sequence_parallel=True: seq_length={spec.config.seq_length} / "
                 f"context_parallel_size={self.cp_size} tokens per rank must divide by "
                 f"tensor_model_parallel_size={tp} (sequence parallelism splits them over the "
                 f"TP ranks); use a seq_length that is a multiple of {2 * self.cp_size * tp}")
-        if spec.cp_partition_mode != "zigzag" and (self.cp_size > 1
-                                                   or spec.dynamic_context_parallel):
+        if spec.config.cp_partition_mode != "zigzag" and (self.cp_size > 1
+                                                   or spec.topology.dynamic):
             from ..patching import require_applied
 
             require_applied(("rope-cp-partition-mode",),
-                            f"cp_partition_mode={spec.cp_partition_mode!r} (RoPE of a slice)")
-        if spec.dynamic_context_parallel:
+                            f"cp_partition_mode={spec.config.cp_partition_mode!r} (RoPE of a "
+                            "slice)")
+        if spec.topology.dynamic:
             from ..dynamic_cp.runtime import DynamicCPDataPath
             from ..patching import DYNAMIC_CP_PATCHES, require_applied
 
@@ -389,14 +393,15 @@ class _StepData:
 
             self.path = DynamicCPDataPath(
                 _dynamic_groups(pg_collection), dp_group=pgs.dp, cp_group=pgs.cp,
-                tp_group=pgs.tp, max_seqlen_per_dp_cp_rank=spec.max_seqlen_per_dp_cp_rank,
-                min_cp_size=spec.min_dynamic_context_parallel_size,
-                workload=GPTWorkload(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                                     num_attention_heads=spec.num_attention_heads,
-                                     num_query_groups=spec.num_query_groups,
-                                     window=GPTWorkload.causal_window(spec.config.window_size)),
+                tp_group=pgs.tp, max_seqlen_per_dp_cp_rank=spec.config.max_seqlen_per_dp_cp_rank,
+                min_cp_size=spec.topology.dynamic_min_size,
+                workload=GPTWorkload(
+                    num_layers=spec.config.num_layers, hidden_size=spec.hidden_size,
+                    num_attention_heads=spec.config.num_attention_heads,
+                    num_query_groups=spec.config.num_query_groups,
+                    window=GPTWorkload.causal_window(spec.config.window_size)),
                 micro_batch_multiple=multiple, sequence_parallel=spec.sequence_parallel,
-                cp_partition_mode=spec.cp_partition_mode)
+                cp_partition_mode=spec.config.cp_partition_mode)
         rows = spec.global_batch_size
         unit = spec.micro_batch_size * self.dp_size if spec.varlen is None else self.dp_size
         if rows % unit:
@@ -407,14 +412,14 @@ class _StepData:
         spec = self.spec
         rows = spec.global_batch_size
         if spec.varlen is None:
-            data = global_batch(spec.seed, step, rows, spec.seq_length, spec.vocab_size)
+            data = global_batch(spec.seed, step, rows, spec.config.seq_length, spec.vocab_size)
             if spec.loss_mask is not None:
                 data["loss_mask"] = torch.stack([
-                    spec.loss_mask(step, r, spec.seq_length).float() for r in range(rows)])
+                    spec.loss_mask(step, r, spec.config.seq_length).float() for r in range(rows)])
             return static_cp_micro_batches(
                 data, dp_size=self.dp_size, dp_rank=self.dp_rank,
                 micro_batch_size=spec.micro_batch_size, cp_size=self.cp_size,
-                cp_rank=self.cp_rank, cp_partition_mode=spec.cp_partition_mode)
+                cp_rank=self.cp_rank, cp_partition_mode=spec.config.cp_partition_mode)
         from ..dynamic_cp.packing import pack_thd
 
         v = spec.varlen
@@ -435,9 +440,9 @@ class _StepData:
             return plan_step(self.path, ids, load, _device(spec)).micro_batches
         samples = [load(i) for i in ids]
         k = v.samples_per_micro_batch
-        tp = spec.tensor_model_parallel_size if spec.sequence_parallel else 1
+        tp = spec.topology.tp if spec.sequence_parallel else 1
         return [pack_thd(samples[j:j + k], self.cp_size, self.cp_rank, pad_multiple=tp,
-                         cp_partition_mode=spec.cp_partition_mode)
+                         cp_partition_mode=spec.config.cp_partition_mode)
                 for j in range(0, len(samples), k)]
 
 
@@ -536,7 +541,7 @@ def _train(spec: TinyGPTSpec, pg_collection: Any, on_step: Any) -> dict[str, lis
         if spec.varlen is None:  # fixed-length rows
             reports = forward_backward(
                 data_iterator=[iter(micro) for _ in model] if len(model) > 1 else iter(micro),
-                num_microbatches=len(micro), seq_length=spec.seq_length,
+                num_microbatches=len(micro), seq_length=spec.config.seq_length,
                 micro_batch_size=spec.micro_batch_size, **common)
         else:  # packed rows, static or dynamic CP: the arguments Bridge's loop gets too
             reports = forward_backward(**common, **schedule_arguments(micro, len(model)))

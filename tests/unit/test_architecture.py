@@ -127,7 +127,7 @@ def test_sharding_and_config_import_nothing_of_the_project():
 
 
 # megatron_hcp.config's modules, lowest first: each imports only those before it
-CONFIG_ORDER = ["errors", "values", "flags", "rules"]
+CONFIG_ORDER = ["errors", "values", "flags", "topology", "rules"]
 
 
 def test_config_modules_import_only_lower_ones():

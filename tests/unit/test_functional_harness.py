@@ -30,10 +30,10 @@ def test_every_shipped_recipe_parses_to_a_valid_config():
         assert recipe.config.world_size == recipe.nproc
     dcp = load_recipe(RECIPES_DIR / "gpt3_mcore_tp2_pp1_cp4_dcp")
     assert dcp.config.dynamic_context_parallel and dcp.spec.varlen is not None
-    assert dcp.spec.tensor_model_parallel_size == 2 and dcp.config.dp_cp_size == 4
+    assert dcp.spec.topology.tp == 2 and dcp.config.dp_cp_size == 4
     flat = dcp.with_cp1()
     assert flat.config.context_parallel_size == 1 and flat.config.data_parallel_size == 4
-    assert not flat.spec.dynamic_context_parallel
+    assert not flat.spec.topology.dynamic
     # faithful to upstream's dcp recipe: ckpt-resume, SP on, a corpus the model learns
     assert dcp.test_type == "ckpt-resume" and dcp.spec.varlen.corpus == "markov"
     for name in names:  # every TP recipe runs with sequence parallelism, like upstream's

@@ -57,11 +57,17 @@ def test_the_trainer_spec_holds_one_cp_config():
                           num_query_groups=2, steps=5)
     cp_fields = set(CPConfig.field_names())
     assert not cp_fields & {f.name for f in dataclasses.fields(TinyGPTSpec)}  # stored once
-    assert spec.config.context_parallel_size == spec.context_parallel_size == 4
-    assert spec.steps == 5 and spec.num_layers == 2  # the spec's model default, in config
+    assert spec.config.context_parallel_size == spec.topology.cp == 4
+    assert spec.steps == 5 and spec.config.num_layers == 2  # the spec's model default, in config
     assert TinyGPTSpec().config.comm_type == DEFAULT_CP_COMM_TYPE == "p2p"
-    with pytest.raises(AttributeError):
-        _ = spec.not_a_field
+    # no second path to the config's fields: sizes come from the topology, the rest from config
+    for name in ("context_parallel_size", "num_layers", "not_a_field"):
+        with pytest.raises(AttributeError):
+            getattr(spec, name)
+    topology = spec.topology
+    assert topology is spec.topology and topology.config is spec.config  # resolved once
+    spec.config = dataclasses.replace(spec.config, context_parallel_size=2, data_parallel_size=2)
+    assert spec.topology.cp == 2 and spec.topology.dp == 2  # a new config, a new topology
 
 
 def test_each_recipe_flag_maps_to_one_field_once():
@@ -70,5 +76,25 @@ def test_each_recipe_flag_maps_to_one_field_once():
     recipe = load_recipe(RECIPES_DIR / "gpt3_mcore_tp2_pp1_cp4_dcp")
     assert recipe.config is recipe.spec.config  # the recipe's CP setup is its spec's
     flat = recipe.with_cp1()
-    assert flat.config.context_parallel_size == 1 and not flat.spec.dynamic_context_parallel
+    assert flat.config.context_parallel_size == 1 and not flat.spec.topology.dynamic
     assert flat.spec.config is flat.config
+
+
+def test_one_field_table_serves_recipes_bridge_the_trainer_and_the_parser():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hcp.bridge.config import MODEL_FIELDS
+    from megatron_hcp.config import FIELD_KINDS, FIELDS, fields_read_by
+    from megatron_hcp.training import trainer
+
+    assert list(FIELDS) == CPConfig.field_names() and list(FIELD_KINDS) == list(FIELDS)
+    recipe_fields = [name for name, _ in _FLAGS.values() if name in FIELDS]
+    assert recipe_fields == list(fields_read_by("recipe"))
+    assert MODEL_FIELDS == fields_read_by("bridge")
+    given = set(fields_read_by("transformer"))
+    assert given <= set(trainer._SET_BY_SPEC)  # extra_config may not set them
+    declared = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert given <= declared, given - declared  # megatron's own names
+    # the fields no client reads by name are this project's own (validation inputs)
+    assert {n for n, (_, by) in FIELDS.items() if not by} == {
+        "data_parallel_size", "use_megatron_fsdp", "te_version", "cp_attention_backend"}

@@ -67,7 +67,7 @@ CASES: dict[str, list[tuple[str, dict, dict, Any]]] = {
                                     "--num-query-groups": REMOVE},
                             {"--num-query-groups": 4}, REFUSED)],
     "--seq-length": [(FIXED, {}, {"--seq-length": 128},
-                      spec("seq_length", read_as="spec.seq_length"))],
+                      spec("config.seq_length", read_as="spec.config.seq_length"))],
     "--tensor-model-parallel-size": [(FIXED, {"NPROC": 8}, {"--tensor-model-parallel-size": 2},
                                       tc("tensor_model_parallel_size"))],
     "--pipeline-model-parallel-size": [(FIXED, {"NPROC": 8},
@@ -98,8 +98,7 @@ CASES: dict[str, list[tuple[str, dict, dict, Any]]] = {
          cfg("dynamic"))],
     "--min-dynamic-context-parallel-size": [
         (DYNAMIC, {}, {"--min-dynamic-context-parallel-size": 2},
-         spec("min_dynamic_context_parallel_size",
-              read_as="spec.min_dynamic_context_parallel_size")),
+         spec("topology.dynamic_min_size", read_as="spec.topology.dynamic_min_size")),
         (FIXED, {}, {"--min-dynamic-context-parallel-size": 2}, REFUSED)],
     "--max-seqlen-per-dp-cp-rank": [
         (DYNAMIC, {}, {"--max-seqlen-per-dp-cp-rank": 64}, tc("max_seqlen_per_dp_cp_rank")),
