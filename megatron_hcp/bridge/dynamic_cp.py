@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.partition import partition_mode
-from ..config import CPConfig, CPConfigError, Violation
+from ..config import CPConfig, CPConfigError, Topology, Violation
 from ..dynamic_cp.step import PlannedMicroBatches, plan_step, schedule_arguments
 from ..parallel_state.dynamic import attach_dynamic_cp_groups, dynamic_cp_groups_of
 from ..patching.registry import Target
@@ -108,17 +108,17 @@ def prepare_config(cfg: Any, world_size: int | None = None) -> CPConfig:
     config = cp_config_from_bridge(
         model, world_size_before_init() if world_size is None else world_size,
         use_megatron_fsdp=getattr(dist_cfg, "use_megatron_fsdp", False))
-    config.validate()
-    if (config.cp_partition_mode != "zigzag" and config.context_parallel_size > 1
-            and not config.dynamic):
+    topology = config.resolve()  # every rule; the sizes below are derived once, here
+    if (config.cp_partition_mode != "zigzag" and topology.cp > 1
+            and not topology.dynamic):
         raise CPConfigError([Violation(
             "model.cp_partition_mode", config.cp_partition_mode,
             "Bridge's own batch step cuts every sequence zigzag with static CP (its dsv4_step "
             "slices the whole packed buffer, not each sequence); megatron-hcp cuts batches "
             "itself with dynamic CP only",
             "use model.cp_partition_mode=zigzag with static CP in Bridge, or dynamic CP")])
-    if config.dynamic:
-        _check_dynamic_loop(model, config)
+    if topology.dynamic:
+        _check_dynamic_loop(model, topology)
         turned_off = [f for f in _MEGATRON_DYNAMIC_FLAGS if getattr(model, f, False)]
         for name in turned_off:
             setattr(model, name, False)
@@ -127,29 +127,29 @@ def prepare_config(cfg: Any, world_size: int | None = None) -> CPConfig:
                 "megatron_hcp: dynamic CP (%s) runs on megatron-hcp's scheduler and data path "
                 "(token cap %s per rank, groups of %d..%d ranks); megatron-core's own %s is "
                 "turned off for this run", ", ".join(f"{f}=True" for f in turned_off),
-                config.max_seqlen_per_dp_cp_rank, config.min_dynamic_context_parallel_size,
-                config.dp_cp_size, " / ".join(turned_off))
+                config.max_seqlen_per_dp_cp_rank, topology.dynamic_min_size,
+                topology.dp_cp, " / ".join(turned_off))
     _attach(model, config)
     return config
 
 
-def _check_dynamic_loop(model: Any, config: CPConfig) -> None:
+def _check_dynamic_loop(model: Any, topology: Topology) -> None:
     """What dynamic CP needs of Bridge's loop beyond the CP rules: variable sequence lengths
     between pipeline stages, and a token cap that holds the longest sequence Bridge's data can
     bring (``model.seq_length``) on the whole DPxCP group."""
     from ..sharding import padded_length
 
     problems = []
-    if config.pipeline_model_parallel_size > 1 and not getattr(model, "variable_seq_lengths",
-                                                               False):
+    config = topology.config
+    if topology.pp > 1 and not getattr(model, "variable_seq_lengths", False):
         problems.append(Violation(
             "model.variable_seq_lengths", getattr(model, "variable_seq_lengths", None),
             "dynamic CP with pipeline parallelism sends packed micro-batches of different "
             "lengths between the stages",
             "set model.variable_seq_lengths=True (megatron-core also wants "
             "model.moe_token_dispatcher_type=alltoall with it)"))
-    n, cap, longest = config.dp_cp_size, config.max_seqlen_per_dp_cp_rank, config.seq_length
-    tp = config.tensor_model_parallel_size if getattr(model, "sequence_parallel", False) else 1
+    n, cap, longest = topology.dp_cp, config.max_seqlen_per_dp_cp_rank, config.seq_length
+    tp = topology.tp if getattr(model, "sequence_parallel", False) else 1
     if longest and cap and padded_length(longest, n, tp) // n > cap:
         need = padded_length(longest, n, tp) // n
         problems.append(Violation(
