@@ -18,8 +18,9 @@ megatron-hcp's scheduler and data path:
 * ``bridge-mpu-cp-groups`` (``training.initialize._initialize_distributed``): on the MPU path
   (``dist.use_decentralized_pg=False``), after Bridge initialized megatron's groups, they are
   checked against megatron-hcp's layout and logged (``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``
-  for HCP); for dynamic CP its groups (and dynamic hierarchical levels) are created and
-  attached to Bridge's process-group collection. On the decentralized path the hooked
+  for HCP); for dynamic CP its groups (and dynamic hierarchical levels) are created and Bridge's
+  collection is returned as an ``HCPProcessGroupCollection`` whose typed ``dynamic_cp`` holds
+  them (nothing is set on megatron's object). On the decentralized path the hooked
   ``_create_pg_collection`` (:mod:`.hook`) builds them.
 * ``bridge-dynamic-cp-schedule`` (``get_forward_backward_func`` as bound in ``training.train``
   and ``training.eval``): when the step's process-group collection carries dynamic CP groups,
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from ..attention.partition import partition_mode
 from ..config import CPConfig, CPConfigError, Topology, Violation
 from ..dynamic_cp.step import PlannedMicroBatches, plan_step, schedule_arguments
-from ..parallel_state.dynamic import attach_dynamic_cp_groups, dynamic_cp_groups_of
+from ..parallel_state.dynamic import dynamic_cp_groups_of
 from ..patching.registry import Target
 from .config import cp_config_from_bridge
 
@@ -190,7 +191,7 @@ def _make_initialize_distributed(original):
     @functools.wraps(original)
     def _initialize_distributed(model_config, dist_config, *args, **kwargs):
         """Bridge's; then, on the MPU path, megatron-hcp adopts megatron's groups (check, log,
-        dynamic CP groups attached to the returned collection)."""
+        dynamic CP groups typed on the returned collection)."""
         pg_collection = original(model_config, dist_config, *args, **kwargs)
         config = cp_config_of(model_config)
         if config is not None and not getattr(dist_config, "use_decentralized_pg", False):
@@ -202,8 +203,11 @@ def _make_initialize_distributed(original):
                 config, order=order,
                 distributed_timeout_minutes=getattr(dist_config, "distributed_timeout_minutes",
                                                     None))
-            if config.dynamic:
-                attach_dynamic_cp_groups(pg_collection, dynamic_cp_groups())
+            if config.dynamic:  # megatron's collection, with the dynamic groups typed
+                from ..parallel_state.pg_collection import HCPProcessGroupCollection
+
+                pg_collection = HCPProcessGroupCollection.of(
+                    pg_collection, dynamic_cp=dynamic_cp_groups())
         return pg_collection
 
     return _initialize_distributed

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..config import CPConfig, Topology
 from ..group_release import release_at_exit
 from .agreement import agree_on_config
-from .dynamic import attach_dynamic_cp_groups, create_dynamic_cp_groups, dynamic_cp_groups_of
+from .dynamic import create_dynamic_cp_groups, dynamic_cp_groups_of
 from .groups import destroy_groups, group_kwargs
 from .report import describe_cp_groups
 
@@ -133,6 +133,8 @@ def create_pg_collection_and_grid(
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from .pg_collection import HCPProcessGroupCollection
+
     agree_on_config(config, tag="pg_collection", timeout=agreement_timeout,
                     expert_model_parallel_size=expert_model_parallel_size,
                     expert_tensor_parallel_size=expert_tensor_parallel_size,
@@ -196,20 +198,19 @@ def create_pg_collection_and_grid(
         groups.update(expt_gtp_remat=groups["gtp_remat"], dp_cp_gtp_remat=groups["dp_cp"],
                       expt_dp_gtp_remat=groups["expt_dp"],
                       tp_ep_pp_with_egtp_remat=groups["tp_ep_pp"], dp_cp_ag=None, expt_dp_ag=None)
-    collection = ProcessGroupCollection(
+    collection = HCPProcessGroupCollection(
         **{k: v for k, v in groups.items() if k in declared},
         hcp=hcp,
         intra_dp_cp=groups["dp_cp"],
         intra_expt_dp=groups["expt_dp"],
         inter_dist_opt=None,
     )
-    if topology.dynamic:
-        # not a ProcessGroupCollection field: attached (parallel_state.dynamic's accessor),
-        # destroyed by destroy_pg_collection
-        attach_dynamic_cp_groups(collection, create_dynamic_cp_groups(
+    collection.topology = topology
+    if topology.dynamic:  # typed attribute of the collection, destroyed by destroy_pg_collection
+        collection.dynamic_cp = create_dynamic_cp_groups(
             topology.groups["dp_cp"], groups["dp_cp"], topology.dynamic_min_size,
             timeout=timeout, pg_options=pg_options, agreement_timeout=agreement_timeout,
-            a2a_size=topology.dynamic_a2a_size))
+            a2a_size=topology.dynamic_a2a_size)
     if dist.get_rank() == rank_offset:
         for line in describe_cp_groups(topology):
             logger.info(line)
@@ -225,5 +226,5 @@ def destroy_pg_collection(collection: Any) -> None:
     dynamic = dynamic_cp_groups_of(collection)
     if dynamic is not None:
         dynamic.destroy()
-        attach_dynamic_cp_groups(collection, None)
+        collection.dynamic_cp = None
     destroy_groups(groups)

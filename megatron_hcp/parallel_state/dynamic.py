@@ -196,16 +196,23 @@ def _create_levels(all_dp_cp_ranks, min_size, a2a_size, by_size, created, make, 
     return a2a_group, p2p_by_size
 
 
-# the attribute a decentralized ProcessGroupCollection carries its dynamic groups in (megatron's
-# ProcessGroupCollection has no such field); read and written only through these two functions
-_ON_COLLECTION = "dynamic_cp"
-
-
 def dynamic_cp_groups_of(pg_collection: Any) -> DynamicCPGroups | None:
-    """The dynamic CP groups attached to a decentralized ``pg_collection`` (None: none)."""
-    return getattr(pg_collection, _ON_COLLECTION, None)
+    """The dynamic CP groups of a collection megatron-hcp returned (the typed ``dynamic_cp`` of
+    :class:`~.pg_collection.HCPProcessGroupCollection`); None: none, or another collection."""
+    groups = getattr(pg_collection, "dynamic_cp", None)
+    return groups if isinstance(groups, DynamicCPGroups) else None
 
 
 def attach_dynamic_cp_groups(pg_collection: Any, groups: DynamicCPGroups | None) -> None:
-    """Attach (or, with None, detach) ``groups`` to ``pg_collection``."""
-    setattr(pg_collection, _ON_COLLECTION, groups)
+    """Set (or, with None, clear) the ``dynamic_cp`` groups of an
+    :class:`~.pg_collection.HCPProcessGroupCollection`; megatron's own collection has no such
+    field, so it is refused (wrap it: ``HCPProcessGroupCollection.of(collection,
+    dynamic_cp=groups)``)."""
+    from .pg_collection import HCPProcessGroupCollection
+
+    if not isinstance(pg_collection, HCPProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection is a {type(pg_collection).__name__}, which has no dynamic_cp field; "
+            "use megatron_hcp.parallel_state.pg_collection.HCPProcessGroupCollection.of("
+            "collection, dynamic_cp=groups) (what create_pg_collection returns)")
+    pg_collection.dynamic_cp = groups

@@ -80,11 +80,13 @@ prints the summary); no GPU ran here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from ..config import CPConfig
 from ..dynamic_cp.projection import OVERLAP_SLOWDOWN, Cluster
 from . import estimate as _est
-from .estimate import Estimate, Layout, enumerate_layouts, estimate, usable_bytes
+from .estimate import Estimate, Layout, enumerate_layouts, estimate, label, propose, usable_bytes
 from .inputs import Batch, ModelSpec, Options, PlanInputError
 from .report import (
     bridge_overrides,
@@ -97,7 +99,7 @@ from .report import (
 )
 
 __all__ = ["Batch", "Cluster", "Estimate", "Layout", "ModelSpec", "Options", "PlanInputError",
-           "PlanResult", "plan"]
+           "PlanResult", "label", "plan", "propose"]
 
 
 @dataclass
@@ -107,7 +109,7 @@ class PlanResult:
     cluster: Cluster
     options: Options
     ranked: list[Estimate]
-    rejected: list[tuple[Layout, str]]
+    rejected: list[tuple[CPConfig, str]]  # a candidate's CPConfig, and why it was refused
 
     @property
     def winner(self) -> Estimate:
@@ -192,8 +194,8 @@ class PlanResult:
                        "megatron_flags": self.flags(), "bridge_overrides": self.overrides(),
                        "notes": self.notes()},
             "rejected_by_cpconfig": len(self.rejected),
-            "rejected_examples": [{"label": lay.label, "reason": reason}
-                                  for lay, reason in self.rejected[:5]],
+            "rejected_examples": [{"label": label(config), "reason": reason}
+                                  for config, reason in self.rejected[:5]],
         }
 
 
@@ -208,7 +210,8 @@ def plan(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options | No
     for lay in layouts:
         e = estimate(model, batch, cluster, options, lay)
         if e is None:  # a dynamic layout whose cap CPConfig (or the scheduler) refuses
-            rejected.append((lay, "no dynamic-CP schedule or CPConfig refused its token cap"))
+            rejected.append((dataclasses.replace(lay.config, max_seqlen_per_dp_cp_rank=None),
+                             "no dynamic-CP schedule or CPConfig refused its token cap"))
         else:
             estimates.append(e)
     if not estimates:

@@ -7,7 +7,6 @@ model, with its two link classes); the memory model is documented in :mod:`megat
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -35,6 +34,8 @@ from .inputs import Batch, ModelSpec, Options
 __all__ = [
     "Estimate",
     "Layout",
+    "label",
+    "propose",
     "enumerate_layouts",
     "estimate",
     "memory_per_gpu",
@@ -66,51 +67,118 @@ MEMORY_RESERVE = 0.10
 CAP_ALIGN = 256  # dynamic-CP token cap rounded down to a multiple of this
 
 
-@dataclass(frozen=True)
+def propose(model: ModelSpec, options: Options, *, tp: int, cp: int, pp: int, dp: int,
+            cp_comm_type: str | None = None, hcp: tuple[int, int] | None = None,
+            seq_length: int | None = None, dynamic: bool = False, min_cp: int = 1,
+            cap: int | None = None, mode: str = "zigzag") -> CPConfig:
+    """The CPConfig of one candidate setup of ``model``: what the planner validates and
+    resolves (``cp_comm_type`` None: CP = 1; a dynamic candidate's DPxCP group is ``cp * dp``
+    with ``cap`` tokens per rank)."""
+    return CPConfig(
+        context_parallel_size=cp, cp_comm_type=cp_comm_type,
+        hierarchical_context_parallel_sizes=list(hcp) if hcp else None,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        data_parallel_size=dp, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, num_layers=model.num_layers,
+        seq_length=None if dynamic else seq_length,
+        dynamic_context_parallel=dynamic, min_dynamic_context_parallel_size=min_cp,
+        max_seqlen_per_dp_cp_rank=cap, calculate_per_token_loss=True if dynamic else None,
+        cp_attention_backend=options.attention_backend, te_version=options.te_version,
+        cp_partition_mode=mode, window_size=None if model.window is None else [model.window, 0])
+
+
+def label(config: CPConfig, vp: int = 1) -> str:
+    """A candidate's name in the report: ``TP2 PP2 VP2 CP4 a2a+p2p [2,2] DP2``,
+    ``TP1 dynamic-CP8 min1 cap16384``."""
+    tp, pp, cp = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                  config.context_parallel_size)
+    mode = config.cp_partition_mode
+    parts = [f"TP{tp}", f"PP{pp}"] if pp > 1 else [f"TP{tp}"]
+    if vp > 1:
+        parts.append(f"VP{vp}")
+    if config.dynamic:  # CP x DP ranks share the dynamic groups: no separate DP size
+        cap = config.max_seqlen_per_dp_cp_rank
+        return " ".join(parts + [f"dynamic-CP{config.dp_cp_size} "
+                                 f"min{config.min_dynamic_context_parallel_size}"
+                                 + (f" cap{cap}" if cap else "")
+                                 + (f" {mode}" if mode != "zigzag" else "")])
+    if cp > 1:
+        hcp = config.hierarchical_context_parallel_sizes
+        parts.append(f"CP{cp} {config.cp_comm_type}"
+                     + (f" [{hcp[0]},{hcp[1]}]" if hcp else "")
+                     + (f" {mode}" if mode != "zigzag" else ""))
+    parts.append(f"DP{config.data_parallel_size}")
+    return " ".join(parts)
+
+
+@dataclass(frozen=True, eq=False)
 class Layout:
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    cp_comm_type: str | None = None  # None: CP = 1
-    hcp: tuple[int, int] | None = None
-    seq_length: int | None = None
-    dynamic: bool = False
-    min_cp: int = 1
-    cap: int | None = None
+    """One candidate the planner ranks: its :class:`~megatron_hcp.config.Topology` (the
+    candidate's CPConfig resolved on the cluster's ranks) and the pipeline schedule's virtual
+    stages per rank. Every size and rank list is the topology's; the names below read it."""
+
+    topology: Topology
     vp: int = 1  # virtual pipeline (interleaved 1F1B) model chunks per stage
-    mode: str = "zigzag"  # the CP partition layout (cp_partition_mode)
+
+    @classmethod
+    def of(cls, model: ModelSpec, options: Options, *, world: int | None = None, vp: int = 1,
+           **setup: object) -> Layout:
+        """The candidate :func:`propose` describes, resolved on ``world`` ranks (default: its
+        own size); raises :class:`~megatron_hcp.config.CPConfigError` when CPConfig refuses
+        it."""
+        return cls(propose(model, options, **setup).resolve(world), vp)  # type: ignore[arg-type]
+
+    @property
+    def config(self) -> CPConfig:
+        return self.topology.config
+
+    @property
+    def tp(self) -> int:
+        return self.topology.tp
+
+    @property
+    def cp(self) -> int:
+        return self.topology.cp
+
+    @property
+    def pp(self) -> int:
+        return self.topology.pp
+
+    @property
+    def dp(self) -> int:
+        return self.topology.dp
+
+    @property
+    def hcp(self) -> tuple[int, ...] | None:
+        return self.topology.hierarchical_sizes
+
+    @property
+    def dynamic(self) -> bool:
+        return self.topology.dynamic
+
+    @property
+    def min_cp(self) -> int:
+        return self.config.min_dynamic_context_parallel_size
+
+    @property
+    def cp_comm_type(self) -> str | None:
+        return self.config.cp_comm_type
+
+    @property
+    def cap(self) -> int | None:
+        return self.config.max_seqlen_per_dp_cp_rank
+
+    @property
+    def mode(self) -> str:
+        return self.config.cp_partition_mode
+
+    @property
+    def seq_length(self) -> int | None:
+        return self.config.seq_length
 
     @property
     def label(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}"] if self.pp > 1 else [f"TP{self.tp}"]
-        if self.vp > 1:
-            parts.append(f"VP{self.vp}")
-        if self.dynamic:  # CP x DP ranks share the dynamic groups: no separate DP size
-            return " ".join(parts + [f"dynamic-CP{self.dp * self.cp} min{self.min_cp}"
-                                     + (f" cap{self.cap}" if self.cap else "")
-                                     + (f" {self.mode}" if self.mode != "zigzag" else "")])
-        if self.cp > 1:
-            parts.append(f"CP{self.cp} {self.cp_comm_type}"
-                         + (f" [{self.hcp[0]},{self.hcp[1]}]" if self.hcp else "")
-                         + (f" {self.mode}" if self.mode != "zigzag" else ""))
-        parts.append(f"DP{self.dp}")
-        return " ".join(parts)
-
-    def config(self, model: ModelSpec, options: Options) -> CPConfig:
-        return CPConfig(
-            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
-            hierarchical_context_parallel_sizes=list(self.hcp) if self.hcp else None,
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            data_parallel_size=self.dp, num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups, num_layers=model.num_layers,
-            seq_length=None if self.dynamic else self.seq_length,
-            dynamic_context_parallel=self.dynamic,
-            min_dynamic_context_parallel_size=self.min_cp,
-            max_seqlen_per_dp_cp_rank=self.cap, calculate_per_token_loss=True
-            if self.dynamic else None, cp_attention_backend=options.attention_backend,
-            te_version=options.te_version, cp_partition_mode=self.mode,
-            window_size=None if model.window is None else [model.window, 0])
+        return label(self.config, self.vp)
 
 
 @dataclass
@@ -138,13 +206,13 @@ def _round_up(x: int, unit: int) -> int:
 
 
 def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
-                      ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+                      ) -> tuple[list[Layout], list[tuple[CPConfig, str]]]:
     """Every static layout (and, for a length distribution, dynamic-CP layout without its cap)
     with CPConfig's verdict: (accepted, [(rejected, reason)]). The token cap of dynamic layouts
     is set by :func:`estimate` from memory and validated again there."""
     world = cluster.world_size
     accepted: list[Layout] = []
-    rejected: list[tuple[Layout, str]] = []
+    rejected: list[tuple[CPConfig, str]] = []
     max_tp = options.max_tp or cluster.gpus_per_node
     gpn = cluster.gpus_per_node
     for tp in _divisors(world):
@@ -170,17 +238,16 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
                     kinds = [(k, h, m) for k, h in kinds for m in modes
                              if m == "zigzag" or k in ("p2p", "a2a+p2p")]
                 for kind, hcp, mode in kinds:
-                    layout = Layout(tp, cp, pp, dp, kind, hcp, seq, mode=mode)
+                    config = propose(model, options, tp=tp, cp=cp, pp=pp, dp=dp,
+                                     cp_comm_type=kind, hcp=hcp, seq_length=seq, mode=mode)
                     if batch.fixed and len(batch.lengths) % dp:
-                        rejected.append((layout, f"global batch {len(batch.lengths)} is not "
+                        rejected.append((config, f"global batch {len(batch.lengths)} is not "
                                                  f"divisible by DP={dp}"))
                         continue
                     try:  # a candidate is a setup that resolves to a Topology
-                        layout.config(model, options).resolve(world)
+                        accepted.append(Layout(config.resolve(world)))
                     except CPConfigError as err:
-                        rejected.append((layout, "; ".join(str(v) for v in err.violations)))
-                        continue
-                    accepted.append(layout)
+                        rejected.append((config, "; ".join(str(v) for v in err.violations)))
             n = rest
             if not batch.fixed and n >= 2 and n & (n - 1) == 0:
                 # dynamic groups are rings: a windowed model also in the contiguous layout
@@ -188,14 +255,17 @@ def enumerate_layouts(model: ModelSpec, batch: Batch, cluster: Cluster, options:
                 for m, mode in ((m, mode) for m in options.min_dynamic_sizes for mode in modes):
                     if m > n:
                         continue
-                    layout = Layout(tp, 1, pp, n, "p2p", None, None, True, m, None, mode=mode)
-                    try:  # what the backend refuses is named (the cap is probed here only)
-                        dataclasses.replace(layout, cap=batch.max_length).config(
-                            model, options).resolve(world)
+                    # the token cap is set by estimate() from memory; the longest sequence
+                    # probes it here, so that what the backend refuses is named
+                    config = propose(model, options, tp=tp, cp=1, pp=pp, dp=n,
+                                     cp_comm_type="p2p", dynamic=True, min_cp=m,
+                                     cap=batch.max_length, mode=mode)
+                    try:
+                        accepted.append(Layout(config.resolve(world)))
                     except CPConfigError as err:
-                        rejected.append((layout, "; ".join(str(v) for v in err.violations)))
-                        continue
-                    accepted.append(layout)
+                        rejected.append((dataclasses.replace(config,
+                                                             max_seqlen_per_dp_cp_rank=None),
+                                         "; ".join(str(v) for v in err.violations)))
     return accepted, rejected
 
 
@@ -407,13 +477,6 @@ def _dynamic_cap(model: ModelSpec, batch: Batch, cluster: Cluster, options: Opti
     return _round_up(need, CAP_ALIGN), False
 
 
-@functools.lru_cache(maxsize=8)  # a layout's recompute modes share its rank lists
-def _topology(model: ModelSpec, options: Options, layout: Layout, world: int) -> Topology:
-    """The candidate's one topology: its CPConfig resolved on the cluster's ranks (every rank
-    list the costs read comes from it)."""
-    return layout.config(model, options).resolve(world)
-
-
 def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options,
               layout: Layout, recompute: str) -> Estimate | None:
     lengths = list(batch.lengths)
@@ -424,16 +487,13 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
             cp = min_group_size(batch.max_length, cap, n, layout.min_cp, layout.mode)
         except ScheduleError:
             cp = n
-        layout = Layout(layout.tp, cp, layout.pp, n // cp, "p2p", None, None, True,
-                        layout.min_cp, cap, mode=layout.mode)
-        try:
-            layout.config(model, options).validate()
+        try:  # the candidate at its token cap and smallest group: a topology of its own
+            layout = Layout(dataclasses.replace(
+                layout.config, context_parallel_size=cp, data_parallel_size=n // cp,
+                max_seqlen_per_dp_cp_rank=cap).resolve(cluster.world_size), layout.vp)
         except CPConfigError:
             return None
-    try:
-        grid = _topology(model, options, layout, cluster.world_size)
-    except CPConfigError:
-        return None
+    grid = layout.topology
     costs = _Costs(model, layout, cluster, options, recompute, grid)
     detail: dict = {}
     if layout.dynamic:
@@ -516,10 +576,7 @@ def _estimate(model: ModelSpec, batch: Batch, cluster: Cluster, options: Options
     step += parts["dp"]
     mem = memory_per_gpu(model, layout, tokens_mb, min(layout.pp, m), recompute, options,
                          cluster)
-    try:
-        advice = layout.config(model, options).validate()
-    except CPConfigError:  # pragma: no cover - enumerate_layouts validated it
-        return None
+    advice = layout.config.validate()  # resolved: valid; its advice
     detail.update({
         "cp_crosses_nodes": cluster.crosses_nodes(grid.groups["cp"][0]),
         "a2a_crosses_nodes": bool(grid.hcp) and cluster.crosses_nodes(grid.hcp[0][0]),

@@ -254,7 +254,8 @@ def test_gemms_are_bounded_by_streaming_the_weights():
                       num_query_groups=8, ffn_hidden_size=28672, gated_mlp=True,
                       vocab_size=128256)
     cluster = cluster_for("h100", "bf16", nodes=8)
-    lay = Layout(tp=1, cp=64, pp=1, dp=1, cp_comm_type="p2p", seq_length=8192)
+    lay = Layout.of(model, Options(), tp=1, cp=64, pp=1, dp=1, cp_comm_type="p2p",
+                    seq_length=8192)
     e = estimate(model, Batch.fixed_length(8192, 1), cluster, Options(recompute="selective"),
                  lay)
     params = 4 * model.params_per_layer() + model.vocab_size * model.hidden_size
@@ -276,12 +277,16 @@ def test_virtual_pipeline_and_uneven_stages():
     model = ModelSpec(num_layers=6, hidden_size=1024, num_attention_heads=8, vocab_size=1000)
     cluster = Cluster(nodes=1, gpus_per_node=4)
     batch = Batch.fixed_length(1024, 8)
-    even = estimate(model, batch, cluster, Options(), Layout(1, 1, 2, 2, seq_length=1024))
-    uneven = estimate(model, batch, cluster, Options(), Layout(1, 1, 4, 1, seq_length=1024))
+    even = estimate(model, batch, cluster, Options(),
+                    Layout.of(model, Options(), tp=1, cp=1, pp=2, dp=2, seq_length=1024))
+    uneven = estimate(model, batch, cluster, Options(),
+                      Layout.of(model, Options(), tp=1, cp=1, pp=4, dp=1, seq_length=1024))
     per_micro_batch = even.breakdown["compute"] / 4 * 2  # DP2: 4 micro-batches, half a model
     # DP1: 8 micro-batches; the fullest of 4 stages holds ceil(6/4) = 2 of the 6 layers
     assert uneven.breakdown["compute"] == pytest.approx(8 * per_micro_batch * 2 / 6)
-    inter = estimate(model, batch, cluster, Options(), Layout(1, 1, 2, 2, seq_length=1024, vp=3))
+    inter = estimate(model, batch, cluster, Options(),
+                     Layout.of(model, Options(), tp=1, cp=1, pp=2, dp=2, seq_length=1024,
+                               vp=3))
     assert inter.breakdown["pp_bubble"] < even.breakdown["pp_bubble"]
     assert inter.memory["activations"] > even.memory["activations"]  # 1 + (p-1)/(p vp) more
 
@@ -289,7 +294,7 @@ def test_virtual_pipeline_and_uneven_stages():
 def test_fsdp_memory_and_traffic_by_hand():
     model = ModelSpec(num_layers=4, hidden_size=2048, num_attention_heads=16, vocab_size=1000)
     cluster = Cluster(nodes=1, gpus_per_node=8)
-    lay = Layout(tp=1, cp=1, pp=1, dp=8, seq_length=4096)
+    lay = Layout.of(model, Options(), tp=1, cp=1, pp=1, dp=8, seq_length=4096)
     mem = memory_per_gpu(model, lay, 0, 1, "selective", Options(fsdp=True), cluster)
     assert mem["total"] == pytest.approx(model.params() * 18 / 8
                                          + 2 * 2 * model.params_per_layer())

@@ -30,9 +30,15 @@ def dynamic_groups_case(tp: int, cp: int, min_size: int, decentralized: bool):
     config = CPConfig(context_parallel_size=cp, tensor_model_parallel_size=tp,
                       data_parallel_size=WORLD // (tp * cp), dynamic_context_parallel=True,
                       min_dynamic_context_parallel_size=min_size, max_seqlen_per_dp_cp_rank=64)
+    typed = None
     if decentralized:
+        from dataclasses import fields
+
         pgc = create_pg_collection(config)
         groups = dynamic_cp_groups_of(pgc)
+        # a typed attribute of the returned collection, not a field megatron iterates
+        typed = (pgc.dynamic_cp is groups, "dynamic_cp" in {f.name for f in fields(pgc)},
+                 pgc.topology == config.resolve())
     else:
         initialize_model_parallel(config, create_gloo_process_groups=False)
         groups = dynamic_cp_groups()
@@ -52,12 +58,13 @@ def dynamic_groups_case(tp: int, cp: int, min_size: int, decentralized: bool):
         below = str(err)
     if decentralized:
         destroy_pg_collection(pgc)
+        typed = (*typed, pgc.dynamic_cp is None)
     else:
         destroy_model_parallel()
     after = len(c10d._world.pg_map)
     left = dict(ps._HYBRID_DP_CP_GROUPS)
     return {"want": want, "got": got, "table": table, "below": below,
-            "leaked": after - before, "left": left, "dp_cp": groups.dp_cp_ranks}
+            "leaked": after - before, "left": left, "dp_cp": groups.dp_cp_ranks, "typed": typed}
 
 
 @pytest.mark.parametrize("tp, cp, min_size", [(1, 1, 1), (1, 2, 1), (1, 4, 2), (2, 4, 1),
@@ -74,6 +81,7 @@ def test_dynamic_groups_match_layout_and_leave_nothing(world, tp, cp, min_size, 
         if min_size > 1:
             assert "min_dynamic_context_parallel_size=" in r["below"]
         assert r["leaked"] == 0 and r["left"] == {}, (rank, r)
+        assert r["typed"] == ((True, False, True, True) if decentralized else None)
 
 
 def dynamic_hcp_groups_case(cp: int, hcp: list[int], min_size: int, decentralized: bool):
@@ -383,3 +391,33 @@ def refused_without_patches():
     except Exception as err:  # noqa: BLE001 - the message is the result
         return str(err)
     return "accepted"
+
+
+def test_dynamic_groups_are_typed_on_the_returned_collection_only():
+    """megatron's own ProcessGroupCollection gets no attribute set; megatron-hcp's collection
+    carries ``dynamic_cp`` and ``topology`` outside the dataclass fields megatron iterates."""
+    from dataclasses import fields
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hcp.config import CPConfig
+    from megatron_hcp.parallel_state.dynamic import (
+        DynamicCPGroups,
+        attach_dynamic_cp_groups,
+        dynamic_cp_groups_of,
+    )
+    from megatron_hcp.parallel_state.pg_collection import HCPProcessGroupCollection
+
+    plain = ProcessGroupCollection(tp=None, cp=None)
+    groups = DynamicCPGroups([0, 1], {1: None, 2: None})
+    with pytest.raises(TypeError, match="HCPProcessGroupCollection.of"):
+        attach_dynamic_cp_groups(plain, groups)
+    assert dynamic_cp_groups_of(plain) is None and "dynamic_cp" not in vars(plain)
+    topology = CPConfig(context_parallel_size=2).resolve()
+    ours = HCPProcessGroupCollection.of(plain, dynamic_cp=groups, topology=topology)
+    assert isinstance(ours, ProcessGroupCollection) and ours.topology is topology
+    assert dynamic_cp_groups_of(ours) is groups and "dynamic_cp(sizes [1, 2])" in repr(ours)
+    assert {f.name for f in fields(ours)} == {f.name for f in fields(ProcessGroupCollection)}
+    assert {k: v for k, v in vars(ours).items() if k in ("tp", "cp")} == {"tp": None, "cp": None}
+    attach_dynamic_cp_groups(ours, None)  # the old name still clears it
+    assert dynamic_cp_groups_of(ours) is None

@@ -141,14 +141,14 @@ def test_never_proposes_a_layout_cpconfig_rejects(case):
         assert row["tp"] * row["cp"] * row["pp"] * row["dp"] == cluster.world_size
         if options.te_version == "1.11":
             assert row["cp_comm_type"] != "a2a+p2p"
-    for layout, reason in result.rejected:  # and what was left out was rejected for a reason
-        if layout.dynamic:
+    for config, reason in result.rejected:  # and what was left out was rejected for a reason
+        if config.dynamic:
             continue  # its cap is chosen by estimate(), which validated it there
         if reason.startswith("global batch"):
-            assert len(batch.lengths) % layout.dp
+            assert len(batch.lengths) % config.data_parallel_size
             continue
         with pytest.raises(CPConfigError):
-            layout.config(model, options).validate()
+            config.validate()
 
 
 def test_json_schema(capsys):
@@ -208,7 +208,7 @@ def test_length_distribution_gives_dynamic_cp_candidates():
         n = lay.dp * lay.cp
         assert n & (n - 1) == 0 and lay.cp_comm_type == "p2p"
         assert lay.cap % 256 == 0 and lay.cap >= tokens_per_rank(batch.max_length, n)
-        assert lay.config(model, Options()).validate() is not None
+        assert lay.config.validate() is not None and lay.topology.config is lay.config
         assert e.fits == (e.memory["total"] <= usable_bytes(cluster))
         assert sum(e.detail["group_sizes"].values()) == len(batch.lengths)
         assert min(e.detail["group_sizes"]) >= lay.min_cp
@@ -308,11 +308,11 @@ def test_a_windowed_model_is_planned_in_both_layouts():
     by_label = {e.layout.label: e for e in ref.ranked}
     zig, con = by_label["TP1 CP8 p2p DP1"], by_label["TP1 CP8 p2p contiguous DP1"]
     assert con.breakdown["cp"] < zig.breakdown["cp"]
-    assert con.layout.config(model, Options(attention_backend="reference")).validate() is not None
+    assert con.layout.config.validate() is not None
     te = plan(model, batch, cluster, Options())
     assert not any(e.layout.mode == "contiguous" for e in te.ranked)
-    assert any(lay.mode == "contiguous" and "Transformer Engine" in why
-               for lay, why in te.rejected)
+    assert any(config.cp_partition_mode == "contiguous" and "Transformer Engine" in why
+               for config, why in te.rejected)
     # without a window the contiguous layout is not proposed (its causal imbalance only costs)
     plain = plan(ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16,
                            num_query_groups=4), batch, cluster,
@@ -335,8 +335,8 @@ def test_a_windowed_model_is_planned_with_dynamic_cp_in_both_layouts():
                for e in dynamic)
     te = plan(model, batch, cluster, Options())
     assert not any(e.layout.mode == "contiguous" for e in te.ranked)
-    assert any(lay.dynamic and lay.mode == "contiguous" and "Transformer Engine" in why
-               for lay, why in te.rejected)
+    assert any(config.dynamic and config.cp_partition_mode == "contiguous"
+               and "Transformer Engine" in why for config, why in te.rejected)
 
 
 def test_overlap_and_collectives_by_hand():
@@ -370,7 +370,8 @@ def test_memory_terms_by_hand():
     mha = ModelSpec(num_layers=4, hidden_size=2048, num_attention_heads=16, vocab_size=1000)
     for tp in (1, 2, 4):
         assert _activation_bytes_per_token(mha, tp) == pytest.approx((34 * 2048 + 4 * 16) / tp)
-    lay = Layout(tp=2, cp=2, pp=1, dp=2, cp_comm_type="a2a", seq_length=4096)
+    lay = Layout.of(mha, Options(), tp=2, cp=2, pp=1, dp=2, cp_comm_type="a2a",
+                    seq_length=4096)
     cluster = Cluster(nodes=1, gpus_per_node=8)
     mem = memory_per_gpu(mha, lay, 0, 1, "selective", Options(), cluster)
     assert mem["total"] == pytest.approx(mha.params() / 2 * (6 + 12 / 4))
@@ -381,7 +382,7 @@ def test_memory_terms_by_hand():
     # the logits (6 bytes per token and vocabulary entry / TP); untied: V*h on both stages;
     # both hold the layer's working buffers (gathered input + input gradient, 4 bytes per token
     # and hidden unit, not divided by TP)
-    lay = Layout(tp=2, cp=1, pp=2, dp=4, seq_length=1000)
+    lay = Layout.of(mha, Options(), tp=2, cp=1, pp=2, dp=4, seq_length=1000)
     per_param = 6 + 12 / 4
     stage = (2 * mha.params_per_layer() + 1000 * 2048) / 2 * per_param
     act = 2 * _activation_bytes_per_token(mha, 2) * 1000
@@ -480,3 +481,28 @@ def test_model_from_flags_text_file(tmp_path, capsys):
     assert model["num_query_groups"] == 4 and model["gated_mlp"] and model["untie_embeddings"]
     assert model["ffn_hidden_size"] == 2816
     assert out["inputs"]["batch"]["sequences"] == 16
+
+
+def test_the_planner_ranks_topologies():
+    """Every ranked candidate is a CPConfig resolved on the cluster (#33): its sizes and rank
+    lists are its Topology's; what was refused is the CPConfig, named by the same label."""
+    from megatron_hcp.planner import label
+
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                      num_query_groups=4, vocab_size=32000, window=2048)
+    cluster = Cluster(nodes=1, gpus_per_node=8)
+    batch = lognormal(64, 8192, 1.0, 256, 65536, seed=0)
+    result = plan(model, batch, cluster, Options(attention_backend="reference"))
+    assert any(e.layout.dynamic for e in result.ranked)
+    for e in result.ranked:
+        topo = e.layout.topology
+        assert topo.config is e.layout.config and topo.world_size == cluster.world_size
+        assert topo == e.layout.config.resolve(cluster.world_size)
+        assert (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp) == (
+            topo.tp, topo.cp, topo.pp, topo.dp)
+        assert e.detail["dp_cp_size"] == topo.dp_cp
+        assert e.layout.label == label(e.layout.config, e.layout.vp)
+    assert result.rejected and all(isinstance(c, CPConfig) for c, _ in result.rejected)
+    for config, _ in result.rejected:
+        with pytest.raises(CPConfigError):
+            config.resolve(cluster.world_size)

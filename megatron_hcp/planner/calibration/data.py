@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from ...config import CPConfigError
 from ..estimate import Layout
 from ..gpus import GPUS, PRECISIONS
-from ..inputs import ModelSpec, PlanInputError
+from ..inputs import ModelSpec, Options, PlanInputError
 
 __all__ = ["CONVENTIONS", "DEFAULT_PATH", "PublishedRun", "flops_per_token", "load_published",
            "load_yaml"]
@@ -121,7 +122,7 @@ def _model(key: str, spec: dict) -> ModelSpec:
                      vocab_size=spec["vocab"], untie_embeddings=not spec.get("tied", False))
 
 
-def _layout(where: str, row: dict, gpus: int) -> Layout | None:
+def _layout(where: str, row: dict, gpus: int, model: ModelSpec) -> Layout | None:
     lay = row.get("layout")
     if lay is None:
         return None
@@ -137,8 +138,15 @@ def _layout(where: str, row: dict, gpus: int) -> Layout | None:
     if sizes["cp"] > 1 and kind not in ("p2p", "all_gather", "a2a"):
         raise _fail(where, "layout.cp_comm_type", kind, "must be p2p, all_gather or a2a when "
                     "cp > 1", "give the CP communication type")
-    return Layout(sizes["tp"], sizes["cp"], sizes["pp"], sizes["dp"],
-                  kind if sizes["cp"] > 1 else None, None, row["seq_length"], vp=vp)
+    try:  # the published setup as a candidate: its CPConfig resolved on the run's GPUs
+        return Layout.of(model, Options(), world=gpus, vp=vp, tp=sizes["tp"], cp=sizes["cp"],
+                         pp=sizes["pp"], dp=sizes["dp"],
+                         cp_comm_type=kind if sizes["cp"] > 1 else None,
+                         seq_length=row["seq_length"])
+    except CPConfigError as err:
+        refused = "; ".join(map(str, err.violations))
+        raise _fail(where, "layout", lay, f"is refused by CPConfig ({refused})",
+                    "give a layout megatron accepts") from None
 
 
 def _run(row: dict, models: dict[str, ModelSpec], sources: dict) -> PublishedRun:
@@ -188,7 +196,7 @@ def _run(row: dict, models: dict[str, ModelSpec], sources: dict) -> PublishedRun
         id=row["id"], source=row["source"], quote=row["quote"], model_key=row["model"],
         model=models[row["model"]], seq_length=seq, global_batch=batch, gpu=row["gpu"],
         gpus=gpus, gpus_per_node=gpn, gpu_memory_gb=row.get("gpu_memory_gb"),
-        precision=row["precision"], layout=_layout(where, row, gpus),
+        precision=row["precision"], layout=_layout(where, row, gpus, models[row["model"]]),
         data_parallel=row.get("data_parallel", "megatron"), recompute=row.get("recompute"),
         published_value=float(value), published_unit=unit,
         flops=flops, pair=row.get("pair"), fit=bool(row.get("fit", False)),
