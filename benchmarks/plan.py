@@ -2,8 +2,8 @@
 
 The page (8 KV heads, 4 nodes x 8 GPUs, 128K sequences) prefers B = TP2 CP4 a2a over
 A = TP1 CP16 a2a+p2p [8,2] over C = TP1 CP16 p2p. The planner reproduces that with its default
-constants (``tests/unit/test_plan.py``); this script shows how far the ordering holds when the
-uncalibrated constants move: inter-node bandwidth, achieved TFLOP/s, global batch and TP
+constants (``tests/unit/planner/test_plan.py``); this script shows how far the ordering holds when
+the uncalibrated constants move: inter-node bandwidth, achieved TFLOP/s, global batch and TP
 communication overlap. Model: the Llama-3-8B shape (the page names none).
 
 Run: ``.venv/bin/python benchmarks/plan.py``

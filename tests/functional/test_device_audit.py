@@ -54,6 +54,7 @@ def _detail(report: AuditReport) -> str:
                      for m in mixes)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", [_param(n) for n in sorted(RECIPES)])
 def test_the_gpu_run_of_every_recipe_has_no_device_mix(worlds, name):
     recipe = RECIPES[name]
@@ -62,6 +63,7 @@ def test_the_gpu_run_of_every_recipe_has_no_device_mix(worlds, name):
     assert report.clean, _detail(report)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", [_param(n) for n in CPU_RUNS])
 def test_a_cpu_run_on_a_machine_with_cuda_never_uses_cuda(worlds, name):
     recipe = RECIPES[name]
@@ -114,6 +116,7 @@ def _mixes(per_rank: list[list[dict]]) -> list[list[DeviceMix]]:
     return [[DeviceMix.from_json(m) for m in mixes] for mixes in per_rank]
 
 
+@pytest.mark.multirank
 def test_the_audit_names_rope_tables_left_on_the_cpu(worlds):
     recipe = RECIPES["gpt3_mcore_tp1_pp1_cp4_p2p"]
     per_rank = _mixes(worlds(recipe.nproc).run(audit_with_rope_on_the_cpu, str(recipe.path)))
@@ -126,6 +129,7 @@ def test_the_audit_names_rope_tables_left_on_the_cpu(worlds):
         assert "_apply_rotary_pos_emb_bshd" in first.location
 
 
+@pytest.mark.multirank
 def test_the_audit_finds_the_h100_cpu_run_failure(worlds):
     recipe = RECIPES["gpt3_mcore_tp1_pp1_cp4_p2p"]
     per_rank = _mixes(worlds(recipe.nproc).run(audit_with_the_old_cpu_runtime_rule,
@@ -137,6 +141,7 @@ def test_the_audit_finds_the_h100_cpu_run_failure(worlds):
         assert any(m.kind == "mix" and "rope_utils.py" in m.location for m in mixes), lines
 
 
+@pytest.mark.multirank
 def test_the_audit_refuses_a_process_with_the_cpu_runtime(worlds):
     recipe = RECIPES["gpt3_mcore_tp1_pp1_cp4_p2p"]
     from megatron_hcp.local_world import RankError
@@ -171,6 +176,7 @@ def test_report_lines():
 
 
 # ------------------------------------------------------------------ the command line
+@pytest.mark.multirank
 def test_cli_audits_a_recipe_in_ranks_of_its_own(capsys):
     from megatron_hcp.cli import main
 

@@ -10,7 +10,8 @@ from megatron_hcp.functional.bridge_recipe import bridge_available
 from tests.functional._check import assert_recipe_passes
 
 MISSING = bridge_available()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"Bridge recipe: {MISSING}")
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(MISSING is not None, reason=f"Bridge recipe: {MISSING}")]
 
 RECIPES = ["bridge_llama_tp1_pp1_cp4_a2a_p2p_decentralized_pg", "bridge_llama_tp2_pp1_cp2_dcp",
            "bridge_llama_tp1_pp2_vpp2_cp2_dcp"]

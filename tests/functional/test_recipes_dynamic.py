@@ -11,11 +11,13 @@ RECIPES = ["gpt3_mcore_tp1_pp2_vpp2_cp2_dcp", "gpt3_mcore_tp2_pp1_cp4_a2a_p2p_de
            HCP_RECIPE]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", [r for r in RECIPES if r != HCP_RECIPE])
 def test_recipe(name):
     assert_recipe_passes(name)
 
 
+@pytest.mark.multirank
 def test_dynamic_hcp_recipe_runs_hierarchical_groups():
     """The dynamic HCP recipe really switches levels: some micro-batches run 8-rank groups
     (a2a 2 x p2p 4), and hierarchical groups run in every step; it equals golden and CP=1."""

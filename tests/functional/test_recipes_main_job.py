@@ -4,7 +4,11 @@ recipes' minutes evenly."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.functional._check import assert_recipe_passes
+
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
 
 MAIN_JOB = "gpt3_mcore_tp2_pp1_cp4_dcp"
 RECIPES = [MAIN_JOB]

@@ -11,6 +11,7 @@ from tests.functional._check import assert_recipe_passes
 RECIPES = ["gpt3_mcore_tp1_pp1_cp4_contiguous_swa", "gpt3_mcore_tp1_pp1_cp4_dcp_contiguous"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe(name):
     assert_recipe_passes(name)

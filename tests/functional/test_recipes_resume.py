@@ -7,6 +7,8 @@ import pytest
 
 from tests.functional._check import assert_recipe_passes
 
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
+
 RECIPES = ["gpt3_mcore_tp2_pp1_cp2_ckpt_resume", "gpt3_mcore_tp1_pp2_cp4_a2a_p2p"]
 
 

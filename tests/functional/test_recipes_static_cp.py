@@ -7,6 +7,8 @@ import pytest
 
 from tests.functional._check import assert_recipe_passes
 
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
+
 RECIPES = ["gpt3_mcore_tp1_pp1_cp4_p2p", "gpt3_mcore_tp1_pp1_cp4_all_gather",
            "gpt3_mcore_tp1_pp1_cp4_a2a"]
 

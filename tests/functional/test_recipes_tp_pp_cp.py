@@ -3,7 +3,11 @@ gpt3_mcore_te_tp2_pp2_cp2); golden values and CP=1 invariance."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.functional._check import assert_recipe_passes
+
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
 
 RECIPES = ["gpt3_mcore_tp2_pp2_cp2"]
 

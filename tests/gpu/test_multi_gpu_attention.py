@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_hcp.local_world import LocalWorld
 from tests.gpu._need import gpu_count, needs
-from tests.unit.test_cp_attention import (
+from tests.unit.attention.test_cp_attention import (
     COMMS,
     TOL,
     all_oracle_cases,

@@ -18,7 +18,7 @@ from megatron_hcp.attention.reference.block_cost import measure_block_cost
 from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
 from megatron_hcp.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
-from tests.unit.test_cp_attention import (
+from tests.unit.attention.test_cp_attention import (
     COMMS,
     TOL,
     WORLD,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
