@@ -68,6 +68,7 @@ def _worker(
     env: dict[str, str],
     backend: str,
     stack_path: str,
+    share_device: bool,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -90,6 +91,10 @@ def _worker(
     torch.set_num_threads(1)
     if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank)
+    elif share_device:  # one gloo loop thread per rank, not one per group
+        from .gloo_device import share_gloo_device
+
+        share_gloo_device(hostname="127.0.0.1")
     # The parent process owns the store server (bound to port 0, so no other process can take
     # the port between choosing and binding it); every rank joins as a client.
     store = dist.TCPStore(
@@ -162,6 +167,8 @@ class LocalWorld:
         start_method: str | None = None,
         backend: str = "gloo",
         daemon: bool = True,
+        grace_s: float = 30.0,
+        share_gloo_device: bool = True,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
@@ -181,6 +188,11 @@ class LocalWorld:
         # does); such a world is closed at exit if its owner did not close it
         self.daemon = daemon
         self.timeout_s = timeout_s
+        # how much longer than a rank's own timeout run() waits before it calls the rank
+        # silent (a rank's collective timeout, raised in the rank, is the better message)
+        self.grace_s = grace_s
+        # gloo ranks give all their groups one transport device (megatron_hcp.gloo_device)
+        self.share_gloo_device = share_gloo_device
         self.env = dict(env or {})
         self.preload = PRELOAD if preload is None else preload
         # "spawn" gives ranks a fresh interpreter: the forkserver is shared by every world of
@@ -225,7 +237,8 @@ class LocalWorld:
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results, env,
-                      self.backend, os.path.join(self._stacks.name, f"rank{r}.txt")),
+                      self.backend, os.path.join(self._stacks.name, f"rank{r}.txt"),
+                      self.share_gloo_device),
                 daemon=self.daemon,
             )
             for r in range(self.world_size)
@@ -291,7 +304,7 @@ class LocalWorld:
         task = (module, qualname, args, kwargs, list(sys.path))
         for q in self._tasks:
             q.put(task)
-        limit = (timeout_s or self.timeout_s) + 30
+        limit = (timeout_s or self.timeout_s) + self.grace_s
         deadline = time.monotonic() + limit
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str]] = {}
@@ -306,6 +319,8 @@ class LocalWorld:
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
                     stacks = self._dump_stacks(missing)
+                    for r in missing:  # stuck: no use waiting for them to take the stop
+                        self._procs[r].kill()
                     self.close()
                     errors.update({r: ("Timeout", f"no answer in {limit:.0f}s; its stacks:\n"
                                           f"{stacks[r]}") for r in missing})

@@ -59,7 +59,7 @@ def _under(name: str, package: str) -> bool:
 # included); packages that share a floor do not import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("config", "sharding", "data", "bounded_read", "atomic_write", "group_release",
-                    "local_world", "threaded_world", "virtual_cuda", "command_line")),
+                    "gloo_device", "local_world", "threaded_world", "virtual_cuda", "command_line")),
     ("process groups", ("parallel_state",)),
     ("attention and dynamic CP", ("attention", "dynamic_cp", "layers")),
     ("patches", ("patching",)),
@@ -70,6 +70,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # the foundation imports nothing of the project but this
 FOUNDATION_IMPORTS = {("megatron_hcp.threaded_world", "megatron_hcp.local_world"),
                       ("megatron_hcp.local_world", "megatron_hcp.group_release"),
+                      ("megatron_hcp.local_world", "megatron_hcp.gloo_device"),
                       # what every subcommand shares reads with the foundation's own readers
                       ("megatron_hcp.command_line", "megatron_hcp.config"),
                       ("megatron_hcp.command_line", "megatron_hcp.bounded_read"),

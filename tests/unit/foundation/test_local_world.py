@@ -21,12 +21,15 @@ def stall_on_rank_one() -> int:
 
 
 def test_timeout_names_silent_ranks_with_their_stacks():
-    with LocalWorld(2, timeout_s=1.0) as world:
+    # a short grace past the ranks' own 1 s timeout (the default 30 s lets a rank's collective
+    # timeout speak first); the ranks have joined before the stall (the first run waits)
+    with LocalWorld(2, timeout_s=1.0, grace_s=3.0) as world:
+        assert world.run(what_a_rank_sees, timeout_s=120) == [("", True, True)] * 2
         with pytest.raises(RankError) as err:
             world.run(stall_on_rank_one)
     assert list(err.value.errors) == [1], err.value.errors
     kind, text = err.value.errors[1]
-    assert kind == "Timeout" and text.startswith("no answer in 31s; its stacks:"), text
+    assert kind == "Timeout" and text.startswith("no answer in 4s; its stacks:"), text
     assert "in stall_on_rank_one" in text, text  # the line rank 1 hangs on
 
 
