@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,13 +149,20 @@ def diff_digest(diff: str) -> str:
 
 def read_header(path: Path) -> dict[str, str]:
     """``Key: value`` lines of a patch header (up to the ``---`` line) plus ``body``."""
-    text = path.read_text(encoding="utf-8")
+    st = os.stat(path)
+    return dict(_header(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _header(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, str], ...]:
+    """:func:`read_header` of one version of a file (a command reads each patch many times)."""
+    text = Path(path).read_text(encoding="utf-8")
     head, sep, body = text.partition("\n---\n")
     if not sep:
         raise PatchError(f"{path}: no '---' line between header and diff")
     fields = dict(re.findall(r"^([A-Z][A-Za-z-]+): (.*)$", head, flags=re.M))
     fields["body"] = body
-    return fields
+    return tuple(fields.items())
 
 
 def target_root(path: str | Path) -> Path:
@@ -346,14 +354,27 @@ def _read(root: Path, rel: str) -> str | None:
                          ) from None
 
 
+Texts = dict[str, "str | None"]
+"""Target files read so far by one command, by path (a command reads each file once)."""
+
+
+def _text(root: Path, rel: str, texts: Texts | None) -> str | None:
+    """:func:`_read`, through the command's cache ``texts`` (None: no cache)."""
+    if texts is None:
+        return _read(root, rel)
+    if rel not in texts:
+        texts[rel] = _read(root, rel)
+    return texts[rel]
+
+
 def _simulate(root: Path, files: list[Path], reverse: bool,
-              state: dict[str, str | None] | None = None) -> dict[str, str | None]:
+              texts: Texts | None = None) -> dict[str, str | None]:
     """New contents after applying (or reverting) ``files`` in order, in memory."""
-    state = {} if state is None else state
+    state: dict[str, str | None] = {}
     for file in files:
         for diff in _parse_diff(read_header(file)["body"]):
             if diff.path not in state:
-                state[diff.path] = _read(root, diff.path)
+                state[diff.path] = _text(root, diff.path, texts)
             state[diff.path] = _patch_text(state[diff.path], diff, reverse)
     return state
 
@@ -363,10 +384,10 @@ def _encoded(state: dict[str, str | None]) -> dict[str, bytes | None]:
     return {path: None if text is None else text.encode("utf-8") for path, text in state.items()}
 
 
-def _marker_present(root: Path, file: Path, name: str) -> bool:
+def _marker_present(root: Path, file: Path, name: str, texts: Texts | None = None) -> bool:
     marker = f"megatron-hcp {name}"
     for diff in _parse_diff(read_header(file)["body"]):
-        text = _read(root, diff.path)
+        text = _text(root, diff.path, texts)
         if text is None or (not diff.new_file and marker not in text):
             return False
     return True
@@ -411,9 +432,12 @@ def _recover(root: Path, notify: Notify | None, on_step: Step | None) -> None:
         notify(message)
 
 
-def _check(root: Path) -> tuple[str, list[PatchStatus]]:
+def _check(root: Path, texts: Texts | None = None) -> tuple[str, list[PatchStatus]]:
+    """(version, every patch's status) of the files as they are now; ``texts`` caches the
+    files read (a command that writes nothing in between passes it on)."""
     from . import by_name
 
+    texts = {} if texts is None else texts
     version = target_version(root)
     files = {read_header(f).get("Patch-Name", f.stem): f for f in _series(version)}
     out = []
@@ -423,14 +447,14 @@ def _check(root: Path) -> tuple[str, list[PatchStatus]]:
             out.append(PatchStatus(patch.name, None, patch.status(version)))
             continue
         try:
-            _simulate(root, [file], reverse=True)
-            if _marker_present(root, file, patch.name):
+            _simulate(root, [file], reverse=True, texts=texts)
+            if _marker_present(root, file, patch.name, texts):
                 out.append(PatchStatus(patch.name, file, "applied"))
                 continue
         except _Conflict:
             pass
         try:
-            _simulate(root, [file], reverse=False)
+            _simulate(root, [file], reverse=False, texts=texts)
             out.append(PatchStatus(patch.name, file, "applicable"))
         except _Conflict as err:
             out.append(PatchStatus(patch.name, file, "conflicts", str(err)))
@@ -454,7 +478,8 @@ def apply_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
 
 
 def _apply(root: Path, on_step: Step | None) -> list[str]:
-    version, statuses = _check(root)
+    texts: Texts = {}
+    version, statuses = _check(root, texts)
     bad = [s for s in statuses if s.state == "conflicts"]
     if bad:
         raise PatchError(f"megatron-core {version} at {root}: "
@@ -463,7 +488,7 @@ def _apply(root: Path, on_step: Step | None) -> list[str]:
     todo = [s for s in statuses if s.state == "applicable"]
     if todo:
         try:
-            changes = _simulate(root, [s.file for s in todo], reverse=False)
+            changes = _simulate(root, [s.file for s in todo], reverse=False, texts=texts)
         except _Conflict as err:  # two diffs overlap in a way the check could not see
             raise PatchError(f"{err} - nothing was changed") from err
         run_transaction(root, _encoded(changes), "patch apply", [s.name for s in todo],
@@ -487,7 +512,8 @@ def revert_diffs(path: str | Path, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT
 
 
 def _revert(root: Path, on_step: Step | None) -> list[str]:
-    version, statuses = _check(root)
+    texts: Texts = {}
+    version, statuses = _check(root, texts)
     bad = [s for s in statuses if s.state == "conflicts"]
     if bad:
         raise PatchError(f"megatron-core {version} at {root}: cannot revert "
@@ -497,7 +523,7 @@ def _revert(root: Path, on_step: Step | None) -> list[str]:
     applied = [s for s in reversed(statuses) if s.state == "applied"]
     if applied:
         try:
-            changes = _simulate(root, [s.file for s in applied], reverse=True)
+            changes = _simulate(root, [s.file for s in applied], reverse=True, texts=texts)
         except _Conflict as err:
             raise PatchError(f"{err} - nothing was changed") from err
         run_transaction(root, _encoded(changes), "patch revert", [s.name for s in applied],
