@@ -59,7 +59,8 @@ def _under(name: str, package: str) -> bool:
 # included); packages that share a floor do not import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("config", "sharding", "data", "bounded_read", "atomic_write", "group_release",
-                    "gloo_device", "local_world", "threaded_world", "virtual_cuda", "command_line")),
+                    "gloo_device", "local_world", "threaded_world", "virtual_cuda",
+                    "command_line")),
     ("process groups", ("parallel_state",)),
     ("attention and dynamic CP", ("attention", "dynamic_cp", "layers")),
     ("patches", ("patching",)),
