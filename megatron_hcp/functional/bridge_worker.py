@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ..bridge.run import prepare_environment
-    from ..gloo_device import share_gloo_device
-    from .launch import BACKENDS, require_runnable
+    from .launch import init_rank_process_group, require_runnable
     from .recipe import load_recipe
 
     recipe = load_recipe(opts.recipe)
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     prepare_environment(cpu=not gpu)
     # the process group is this worker's: Bridge runs inside it and leaves it (several runs)
-    if BACKENDS[opts.platform] == "gloo":  # one gloo loop thread, not one per group
-        share_gloo_device()
-    dist.init_process_group(BACKENDS[opts.platform])
+    init_rank_process_group(opts.platform)
     try:
         total = opts.steps or recipe.steps
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["BACKENDS", "LAUNCHERS", "MAX_RANKS_PER_NODE", "Launch", "LaunchError", "PLATFORMS",
-           "default_platform", "detect_platform", "require_runnable"]
+           "default_platform", "detect_platform", "init_rank_process_group", "require_runnable"]
 
 BACKENDS = {"cpu_gloo": "gloo", "gpu_nccl": "nccl"}
 MAX_RANKS_PER_NODE = 64  # processes torchrun starts on one node
@@ -58,6 +58,18 @@ def require_runnable(platform: str) -> None:
 
 
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def init_rank_process_group(platform: str) -> None:
+    """A recipe rank's default process group for ``platform`` (torchrun's environment); a gloo
+    rank first makes its groups share one transport device (:mod:`megatron_hcp.gloo_device`)."""
+    import torch.distributed as dist
+
+    if BACKENDS[platform] == "gloo":
+        from ..gloo_device import share_gloo_device
+
+        share_gloo_device()
+    dist.init_process_group(BACKENDS[platform])
 
 
 def _valid_address(addr: str) -> bool:

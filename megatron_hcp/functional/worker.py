@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from ..gloo_device import share_gloo_device
-    from .launch import BACKENDS, require_runnable
+    from .launch import init_rank_process_group, require_runnable
     from .recipe import load_recipe
 
     recipe = load_recipe(opts.recipe)
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if BACKENDS[opts.platform] == "gloo":  # one gloo loop thread, not one per group
-        share_gloo_device()
-    dist.init_process_group(BACKENDS[opts.platform])
+    init_rank_process_group(opts.platform)
     rank = dist.get_rank()
 
     def progress(step: int, history: dict) -> None:
