@@ -29,7 +29,7 @@ from tests.unit.attention.test_cp_attention import (
 )
 
 pytestmark = [pytest.mark.gpu, needs(1)]
-SPEED_GOAL = 1.15  # CP blocks / one SDPA call (issue 27); reported, not asserted
+SPEED_GOAL = 1.10  # CP blocks / one SDPA call at CP <= 8 (issue #34); reported, not asserted
 
 
 @pytest.fixture(scope="module")

@@ -218,6 +218,16 @@ def _scatter_rows(t: torch.Tensor, *, index: torch.Tensor, rows: int) -> torch.T
     return out.index_copy(0, index.to(t.device), t)
 
 
+@functools.lru_cache(maxsize=64)
+def _a2a_permutations(layout: SeqLayout, a: int, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The a2a gather permutation of ``layout`` and its inverse, on ``device``: built once per
+    packing, not per call (every layer of a step and its backward share them; on a GPU each
+    build is host work and a copy to the device)."""
+    perm = a2a_gather_permutation(layout, a).to(device)
+    return perm, torch.argsort(perm)
+
+
 def _check_bias(bias, cp_comm_type: str, qkv_format: str, qh: torch.Tensor, n: int) -> None:
     """A post-scale bias runs where Transformer Engine runs it with CP: the ring, not thd."""
     if bias is None:
@@ -291,15 +301,19 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         pad_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
         pad_kv = pad_q if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
-        if not (torch.equal(cu_seqlens_q.cpu(), cu_kv.cpu())
-                and torch.equal(pad_q.cpu(), pad_kv.cpu())):
+        # each distinct tensor read by the host once (on a GPU, each read is a synchronisation;
+        # megatron passes the same tensor as q's and kv's metadata)
+        host = {id(t): t.cpu() for t in (cu_seqlens_q, cu_kv, pad_q, pad_kv)}
+        cu_host, pad_host = host[id(cu_seqlens_q)], host[id(pad_q)]
+        if not (torch.equal(cu_host, host[id(cu_kv)]) and torch.equal(pad_host,
+                                                                       host[id(pad_kv)])):
             raise CPAttentionError(
                 "cu_seqlens_q/_kv (and their padded forms) differ; CP attention supports "
                 "self-attention with one packing"
             )
-        check_cu_seqlens(cu_seqlens_q.cpu(), pad_q.cpu(), n, cp_partition_mode=mode)
-        layout = SeqLayout(tuple(seq_lengths(pad_q.cpu())), tuple(seq_lengths(cu_seqlens_q.cpu())),
-                           n, flat, mode)
+        check_cu_seqlens(cu_host, pad_host, n, cp_partition_mode=mode)
+        layout = SeqLayout(tuple(seq_lengths(pad_host)), tuple(seq_lengths(cu_host)), n, flat,
+                           mode)
         if layout.local_tokens != qh.shape[2]:
             raise CPAttentionError(
                 f"q holds {qh.shape[2]} tokens but cu_seqlens_q_padded gives "
@@ -320,8 +334,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
             reps = a // kh.shape[1]
             kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
-        perm = a2a_gather_permutation(layout, a).to(q.device)
-        inv = torch.argsort(perm)
+        perm, inv = _a2a_permutations(layout, a, q.device)
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index

@@ -68,11 +68,11 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     order = [(rank - step) % cp for step in range(cp)]  # ring order
     blocks = [(src, plan_block(layout, layout.at(cp, src), causal)) for src in order]
-    for src, block in blocks:
+    for step, (src, block) in enumerate(blocks):
         kj, vj = kv[src]
         ob, lb = block_forward(take(q_r, block.rows), take(kj, block.cols),
                                take(vj, block.cols), scale=scale, causal=block.causal)
-        merge_into(out, lse, block.rows, ob, lb)
+        merge_into(out, lse, block.rows, ob, lb, first=step == 0, empty_rows=False)
     final = out.to(q.dtype)
     dq = torch.zeros(q_r.shape, dtype=acc, device=q.device)
     dk = [torch.zeros(kj.shape, dtype=acc, device=q.device) for kj, _ in kv]
@@ -108,8 +108,10 @@ def _best(fn, repeats: int, device: torch.device) -> float:
 
 def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int,
                        dtype: torch.dtype, device: str | torch.device, batch: int = 1,
-                       causal: bool = True, repeats: int = 3, seed: int = 0) -> BlockCost:
-    """Time every rank's blocks (summed) and one SDPA call on the same causal problem."""
+                       causal: bool = True, repeats: int = 3, seed: int = 0,
+                       dim_v: int | None = None) -> BlockCost:
+    """Time every rank's blocks (summed) and one SDPA call on the same causal problem
+    (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA)."""
     device = torch.device(device)
     if seq % (2 * cp):
         raise ValueError(f"seq={seq}: must be a multiple of 2*cp={2 * cp} (two chunks per rank)")
@@ -120,15 +122,22 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
     def draw(h, d=dim):
         return torch.randn(batch, h, seq, d, generator=gen, device=device, dtype=dtype)
 
-    q, k, v, dout = draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+    dv = dim if dim_v is None else dim_v
+    q, k, v, dout = draw(heads), draw(kv_heads), draw(kv_heads, dv), draw(heads, dv)
 
     def replay():
         for rank in range(cp):
             rank_block_pass(q, k, v, dout, cp, rank, causal=causal)
 
-    def sdpa():  # torch's flash kernel (its efficient one where flash cannot run, e.g. fp32)
+    # torch's flash kernel (its efficient one where flash cannot run: fp32, MLA head dims; on
+    # the CPU, where neither takes MLA head dims, the math one)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if device.type != "cuda":
+        backends.append(SDPBackend.MATH)
+
+    def sdpa():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        with sdpa_kernel(backends):
             out = torch.nn.functional.scaled_dot_product_attention(
                 qq, kk, vv, is_causal=causal, enable_gqa=kv_heads != heads)
         out.backward(dout)

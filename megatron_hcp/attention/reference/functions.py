@@ -76,12 +76,14 @@ def _add_bias_grad(dbias, grad, where) -> None:
         dbias.index_add_(2, rows.to(grad.device), by_col.to(dbias.dtype))
 
 
-def _forward_block(q, k, v, block, scale, out, lse, bias=None):
+def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False):
+    """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet)."""
     ob, lb = block_forward(
         take(q, block.rows), take(k, block.cols), take(v, block.cols),
         scale=scale, causal=block.causal, mask=block.mask, bias=bias,
     )
-    merge_into(out, lse, block.rows, ob, lb)
+    merge_into(out, lse, block.rows, ob, lb, first=first,
+               empty_rows=block.mask is not None or bias is not None)
 
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None):
@@ -167,9 +169,11 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
                 scale: float, window: Window = None, sink: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # once, not per block
+        # the kernels take q as it is (head dim contiguous); K and V travel packed
+        k, v = k.contiguous(), v.contiguous()
         out, lse = _new_acc(q, v)
         steps = ring_reach(layout, causal, window) + 1
+        first = True
         for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position, steps):
             kv_layout = layout.at(layout.cp, src)
             block = _on(plan_block(layout, kv_layout, causal, window), q.device)
@@ -177,7 +181,9 @@ class RingAttention(torch.autograd.Function):
             if block is not None:  # outside the window: pass the K/V on, compute nothing
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 where = _bias_positions(bias, layout, kv_layout, block)
-                _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where))
+                _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where),
+                               first=first)
+                first = False
         lse = _apply_sink(out, lse, sink)
         ctx.save_for_backward(q, k, v, out, lse, sink, bias)
         ctx.meta = (layout, group, ranks, causal, scale, window)
@@ -187,7 +193,6 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, sink, bias = ctx.saved_tensors
         layout, group, ranks, causal, scale, window = ctx.meta
-        dout = dout.contiguous()
         p, pos = len(ranks), layout.position
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -277,7 +282,8 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
         out, lse = _new_acc(q, v)
-        for srcs, plan in AllGatherAttention._ordered(layout, causal, window, record=True):
+        groups = AllGatherAttention._ordered(layout, causal, window, record=True)
+        for index, (srcs, plan) in enumerate(groups):
             if srcs == [layout.position]:
                 kj, vj, block = k, v, _on(plan, q.device)
             else:
@@ -285,7 +291,7 @@ class AllGatherAttention(torch.autograd.Function):
                     work.wait()
                     work = None
                 kj, vj, block = _gathered_kv(full, srcs, _on(plan, q.device), k.shape, v.shape)
-            _forward_block(q, kj, vj, block, scale, out, lse)
+            _forward_block(q, kj, vj, block, scale, out, lse, first=index == 0)
         if work is not None:
             work.wait()
         lse = _apply_sink(out, lse, sink)

@@ -143,8 +143,14 @@ def _no_rng() -> torch.Tensor:
     return torch.empty((), dtype=torch.int64)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the fused kernels take it: any batch / head / sequence strides (a block's half
+    of the rows is a strided view), the head dim contiguous; copied only where it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -158,7 +164,7 @@ def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
 
 
 def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (_rows(t) for t in (dout, q, k, v, out))
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
@@ -277,25 +283,40 @@ def merge_into(
     rows: slice | torch.Tensor,
     out_blk: torch.Tensor,
     lse_blk: torch.Tensor,
+    *,
+    first: bool = False,
+    empty_rows: bool = True,
 ) -> None:
     """Merge a block result into the running (out, lse) at query ``rows`` (in place).
 
-    ``out_acc`` [B,H,S,D] and ``lse_acc`` [B,H,S] are in the accumulation dtype.
+    ``out_acc`` [B,H,S,D] and ``lse_acc`` [B,H,S] are in the accumulation dtype. ``first``: no
+    block was merged into ``out_acc`` yet (out 0, LSE ``-inf`` everywhere), so the block is
+    copied in - exactly what the merge gives. Otherwise the block's share of a row is
+    ``w = exp(lse_blk - logaddexp(lse, lse_blk)) = sigmoid(lse_blk - lse)`` and the row becomes
+    ``lerp(out, out_blk, w)``: four kernels a merge (five with ``empty_rows``), written in
+    place where ``rows`` is a slice. ``empty_rows``: the block may have rows that see no key
+    (LSE ``-inf``: a mask, or a bias with ``-inf``); without it every row of the block saw a
+    key (dense blocks), and no row can turn to NaN.
     """
+    lse_b = lse_blk.to(lse_acc.dtype)
+    out_b = out_blk.to(out_acc.dtype)
+    if first:
+        if isinstance(rows, slice):
+            out_acc[:, :, rows] = out_b
+            lse_acc[:, :, rows] = lse_b
+        else:
+            out_acc.index_copy_(2, rows, out_b)
+            lse_acc.index_copy_(2, rows, lse_b)
+        return
     if isinstance(rows, slice):
         o, m = out_acc[:, :, rows], lse_acc[:, :, rows]
     else:
         o, m = out_acc.index_select(2, rows), lse_acc.index_select(2, rows)
-    lse_b = lse_blk.to(m.dtype)
-    new = torch.logaddexp(m, lse_b)
-    finite = torch.isfinite(new)
-    safe = torch.where(finite, new, 0.0)
-    w_old = torch.where(finite, torch.exp(m - safe), 0.0).unsqueeze(-1)
-    w_new = torch.where(finite, torch.exp(lse_b - safe), 0.0).unsqueeze(-1)
-    merged = o * w_old + out_blk.to(o.dtype) * w_new
-    if isinstance(rows, slice):
-        out_acc[:, :, rows] = merged
-        lse_acc[:, :, rows] = new
-    else:
-        out_acc.index_copy_(2, rows, merged)
-        lse_acc.index_copy_(2, rows, new)
+    w = torch.sigmoid(lse_b - m)
+    if empty_rows:  # rows no key reached yet, before and in this block (-inf - -inf): out 0
+        w = w.nan_to_num_(nan=0.0)
+    o.lerp_(out_b, w.unsqueeze(-1))
+    torch.logaddexp(m, lse_b, out=m)
+    if not isinstance(rows, slice):
+        out_acc.index_copy_(2, rows, o)
+        lse_acc.index_copy_(2, rows, m)

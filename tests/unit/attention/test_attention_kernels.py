@@ -23,6 +23,7 @@ from megatron_hcp.attention.reference.kernels import (
 )
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+TOL = {F64: 1e-12, F32: 1e-5}
 
 # (device, dtype, d_qk, d_v, q_len, kv_len, causal, masked, biased) -> kernel, reason fragment
 RULES = [
@@ -157,6 +158,10 @@ def test_block_cost_reports_kernels_and_times():
                               device="cpu", repeats=1)
     assert cost.kernels == {(CPU_FLASH, ""): 16} and cost.blocks_per_rank == 4
     assert cost.blocks_s > 0 and cost.sdpa_s > 0 and cost.ratio == cost.blocks_s / cost.sdpa_s
+    mla = measure_block_cost(seq=64, heads=4, kv_heads=4, dim=12, dim_v=8, cp=2, dtype=F32,
+                             device="cpu", repeats=1)  # MLA head dims: the CPU's math path
+    assert set(mla.kernels) == {(MATH, "MLA head dims (d_qk 12, d_v 8): the CPU flash kernel "
+                                       "needs one head dim")} and mla.blocks_per_rank == 2
     with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):
         measure_block_cost(seq=60, heads=4, kv_heads=2, dim=8, cp=4, dtype=F32, device="cpu")
 
@@ -169,3 +174,51 @@ def test_the_oracle_follows_its_inputs_device():
     for kwargs in ({}, {"window_size": (3, 0)}, {"causal": False}):
         out = full_attention(q, k, k, qkv_format="bshd", **kwargs)
         assert out.device.type == "meta" and out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("by_index", [False, True])
+def test_merging_blocks_in_any_order_is_attention_on_their_union(dtype, by_index):
+    """merge_into (the first block copied in, later ones lerped by their LSE share) gives the
+    attention of the queries on every block's keys together, in any order; rows no block has
+    reached stay 0 with LSE -inf (no NaN), also when a later block does not reach them."""
+    from megatron_hcp.attention.reference.kernels import merge_into
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=dtype) for n in (6, 12, 12))
+    mask = torch.ones(6, 12, dtype=torch.bool)
+    mask[5] = False  # a query row no key reaches
+    mask[4, :8] = False  # reached by the last block only
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want = torch.nan_to_num(torch.softmax(scores, -1)) @ v
+    rows = torch.arange(6) if by_index else slice(None)
+    for order in itertools.permutations(range(3)):
+        out = torch.zeros(1, 2, 6, 8, dtype=dtype)
+        lse = torch.full((1, 2, 6), float("-inf"), dtype=dtype)
+        for step, part in enumerate(order):
+            cols = slice(4 * part, 4 * part + 4)
+            ob, lb = block_forward(q, k[:, :, cols], v[:, :, cols], scale=8 ** -0.5,
+                                   mask=mask[:, cols])
+            merge_into(out, lse, rows, ob, lb, first=step == 0)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, want, rtol=0, atol=TOL[dtype])
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=TOL[dtype])
+
+
+def test_gpu_figure_table_runs_every_problem_and_cp_size():
+    """benchmarks/attention.py --device cuda's table, run small on the CPU: a row per problem
+    (MHA, GQA, MLA head dims), sequence length and CP size that cuts it, with the verdict
+    against issue #34's goal (1.10x at CP <= 8, 1.25x at CP 16)."""
+    from benchmarks.attention import gpu_block_table, goal
+
+    problems = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8)}
+    lines = gpu_block_table([64, 48], problems, "fp32", [2, 4, 16], 1, device="cpu")
+    rows = lines[3:]
+    assert len(rows) == 3 * 5 and lines[0].startswith("CPU, torch"), lines  # 48: no CP16
+    assert [r.split()[0] for r in rows] == ["mha"] * 5 + ["gqa"] * 5 + ["mla"] * 5
+    assert [r.split()[3:5] for r in rows[:5]] == [["64", "2"], ["64", "4"], ["64", "16"],
+                                                  ["48", "2"], ["48", "4"]]
+    assert all(r.split()[9] in ("met", "missed") for r in rows), rows
+    assert "math (MLA head dims" in rows[-1] and "cpu_flash" in rows[0]
+    assert (goal(8), goal(16)) == (1.10, 1.25)

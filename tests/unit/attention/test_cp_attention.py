@@ -710,3 +710,43 @@ def test_benchmark_layout_table_counts_bytes_and_work_per_rank(world):
     assert full["max_entries"] / full["mean_entries"] == 4 / 2.5  # blocks 1..4 against 2.5
     zig = at[("causal", 4, "zigzag")]
     assert zig["max_entries"] == zig["mean_entries"]
+
+
+# ------------------------------------------------------------------ launches (issue #34)
+# kernels one rank launches for one step (forward + backward) of each launch-proxy case, at
+# most (max over the ranks; torch 2.13, the CPU). Counted before the fused merge (2026-11-28):
+# p2p cp2 75, p2p cp4 143, contiguous 125, thd 315, gqa 164, mla 225, window 350,
+# all_gather 121, a2a 67, a2a+p2p 97. Lower a budget when a change saves launches.
+LAUNCH_BUDGET = {
+    "p2p cp2": 34, "p2p cp4": 60, "p2p cp4 contiguous": 57, "p2p cp4 thd": 256,
+    "p2p cp4 gqa": 84, "p2p cp4 mla": 157, "p2p cp4 window": 302, "all_gather cp4": 63,
+    "a2a cp4": 39, "a2a+p2p cp4": 52,
+}
+
+
+@pytest.mark.multirank
+def test_kernel_launches_per_step_stay_within_budget(world):
+    """The CPU proxy of the backend's GPU overhead: aten kernels launched per rank by one CP
+    attention step of every comm type and feature (launch_proxy.CASES, a warm-up step first)
+    stay within LAUNCH_BUDGET, and a ring step's merge is a handful of kernels, not a dozen;
+    benchmarks/attention.py --launches prints them."""
+    from benchmarks.attention import launch_table
+    from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
+
+    assert sorted(LAUNCH_BUDGET) == sorted(c.name for c in CASES)
+    per_rank = world.run(rank_launches)
+    over = {}
+    for i, case in enumerate(CASES):
+        counts = [(fwd.kernels + bwd.kernels, fwd, bwd) for fwd, bwd, _ in
+                  (rank[i] for rank in per_rank)]
+        total, fwd, bwd = max(counts, key=lambda c: c[0])
+        if total > LAUNCH_BUDGET[case.name]:
+            over[case.name] = (total, fwd.line(), bwd.line())
+    assert not over, f"launches over budget (total, forward, backward): {over}"
+    # p2p cp4: 4 blocks, each one attention kernel; 3 merges of at most 4 kernels each
+    fwd, _, blocks = per_rank[0][CASES.index(next(c for c in CASES if c.name == "p2p cp4"))]
+    attention = sum(n for op, n in fwd.by_op.items() if "attention" in op)
+    assert blocks == attention == 4, fwd.by_op
+    assert fwd.kernels - attention <= 4 * 3 + 8, fwd.line()
+    table = launch_table(per_rank)
+    assert len(table) == 3 + len(CASES) and table[3].split()[:2] == ["p2p", "cp2"], table

@@ -1,0 +1,121 @@
+"""The CPU proxy of CP attention's GPU overhead: kernel launches per rank of one step.
+
+A step is one :func:`~.api.context_parallel_attention` forward and its backward on this rank
+(real groups, real communication). :func:`rank_launches` runs each :class:`LaunchCase` on the
+ranks of the calling world and counts what it launched with :func:`~.launches.count_launches`;
+a GPU would launch the same aten ops (the attention kernel differs by device, the rest does
+not). ``tests/unit/attention/test_cp_attention.py`` holds the counts to a budget and
+``benchmarks/attention.py --launches`` prints them (issue #34).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...parallel_state.groups import new_groups
+from ...parallel_state.layout import hierarchical_level_groups
+from ...sharding import get_local_chunk
+from .api import context_parallel_attention
+from .blocks import BlockCounter
+from .launches import LaunchCount, count_launches
+
+__all__ = ["CASES", "LaunchCase", "rank_launches"]
+
+
+@dataclass(frozen=True)
+class LaunchCase:
+    """One CP attention configuration (global sequence ``seq``, causal, fp32, batch 1)."""
+
+    name: str
+    comm: str
+    cp: int
+    fmt: str = "bshd"
+    heads: int = 8
+    kv_heads: int = 8
+    dim: int = 64
+    dim_v: int | None = None
+    window: tuple[int, int] | None = None
+    mode: str = "zigzag"
+    seq: int = 512
+
+    @property
+    def hcp(self) -> tuple[int, int] | None:
+        return (2, self.cp // 2) if self.comm == "a2a+p2p" else None
+
+
+# every comm type, both layouts, thd, GQA, MLA head dims and a sliding window, at CP 2 and 4
+CASES = (
+    LaunchCase("p2p cp2", "p2p", 2),
+    LaunchCase("p2p cp4", "p2p", 4),
+    LaunchCase("p2p cp4 contiguous", "p2p", 4, mode="contiguous"),
+    LaunchCase("p2p cp4 thd", "p2p", 4, fmt="thd"),
+    LaunchCase("p2p cp4 gqa", "p2p", 4, kv_heads=2),
+    LaunchCase("p2p cp4 mla", "p2p", 4, dim=96, dim_v=64),
+    LaunchCase("p2p cp4 window", "p2p", 4, window=(64, 0)),
+    LaunchCase("all_gather cp4", "all_gather", 4),
+    LaunchCase("a2a cp4", "a2a", 4),
+    LaunchCase("a2a+p2p cp4", "a2a+p2p", 4),
+)
+
+
+def _groups(case: LaunchCase, cache: dict) -> tuple[object, int]:
+    """This rank's CP group(s) for ``case`` and its flat CP position (created in case order,
+    the same on every rank)."""
+    key = (case.cp, case.hcp)
+    if key not in cache:
+        world = dist.get_world_size()
+        flat = [list(range(s, s + case.cp)) for s in range(0, world, case.cp)]
+        if case.hcp is None:
+            cache[key] = new_groups(flat)
+        else:
+            per = [hierarchical_level_groups(g, list(case.hcp)) for g in flat]
+            cache[key] = [new_groups([g for p in per for g in p[lvl]]) for lvl in range(2)]
+    return cache[key], dist.get_rank() % case.cp
+
+
+def _inputs(case: LaunchCase, position: int, device: torch.device):
+    """This rank's shards of q, k, v, dout and the thd metadata (fixed seed)."""
+    gen = torch.Generator().manual_seed(0)
+    dv = case.dim_v or case.dim
+    meta: dict[str, torch.Tensor] = {}
+    if case.fmt == "thd":  # three sequences, padded to the layout's unit
+        lengths = [case.seq // 4, case.seq // 2, case.seq // 4]
+        meta["cu_seqlens_q"] = meta["cu_seqlens_q_padded"] = torch.tensor(
+            [0, lengths[0], lengths[0] + lengths[1], case.seq], dtype=torch.int32, device=device)
+        lead: tuple[int, ...] = (case.seq,)
+    else:
+        lead = (1, case.seq)
+    shapes = [(case.heads, case.dim), (case.kv_heads, case.dim), (case.kv_heads, dv),
+              (case.heads, dv)]
+    full = [torch.randn(*lead, *s, generator=gen).to(device) for s in shapes]
+    pad = meta.get("cu_seqlens_q_padded")
+    return [get_local_chunk(x, case.cp, position, case.fmt, pad, cp_partition_mode=case.mode)
+            for x in full], meta
+
+
+def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu"
+                  ) -> list[tuple[LaunchCount, LaunchCount, int]]:
+    """On every rank of the world: (forward, backward, forward blocks) of each case's step.
+    Cases whose CP size does not divide the world are refused."""
+    world = dist.get_world_size()
+    for case in cases:
+        if world % case.cp:
+            raise ValueError(f"case {case.name!r}: cp={case.cp} does not divide the world of "
+                             f"{world} ranks; run it on a world of a multiple of {case.cp}")
+    cache: dict = {}
+    out = []
+    for case in cases:
+        group, position = _groups(case, cache)
+        (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
+                      window_size=case.window, cp_partition_mode=case.mode, **meta)
+        context_parallel_attention(q, k, v, **kwargs).backward(dout)  # warm-up
+        with BlockCounter() as blocks:
+            result, forward = count_launches(context_parallel_attention, q, k, v, **kwargs)
+        _, backward = count_launches(result.backward, dout)
+        out.append((forward, backward, len(blocks.computed)))
+    return out
