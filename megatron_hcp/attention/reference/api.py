@@ -313,7 +313,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
             )
         check_cu_seqlens(cu_host, pad_host, n, cp_partition_mode=mode)
         layout = SeqLayout(tuple(seq_lengths(pad_host)), tuple(seq_lengths(cu_host)), n, flat,
-                           mode)
+                           mode, str(q.device))
         if layout.local_tokens != qh.shape[2]:
             raise CPAttentionError(
                 f"q holds {qh.shape[2]} tokens but cu_seqlens_q_padded gives "
@@ -327,7 +327,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                 "chunks per rank (global length must be a multiple of 2*CP); pad it, or use "
                 "cp_partition_mode='contiguous' (a multiple of CP)"
             )
-        layout = SeqLayout.dense(qh.shape[2], n, flat, mode)
+        layout = SeqLayout.dense(qh.shape[2], n, flat, mode, str(q.device))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     if a > 1:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -102,26 +103,26 @@ def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
     return x.index_select(dim, sel)
 
 
-def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
-               window: Window = None) -> Block | None:
-    """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
-    ``None`` when ``window`` leaves no visible pair in it."""
+def _halves(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool
+            ) -> tuple[str, str, bool] | None:
+    """Which query / key half a block takes (``"all"``, ``"first"``, ``"second"``) and whether
+    it is the causal diagonal; ``None``: no pair of it is visible (contiguous, the future)."""
     r, src = q_layout.position, kv_layout.position
     if not causal:
-        rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), False
-    elif q_layout.contiguous:  # slices in order: the past in full, the future not at all
-        if src > r:
-            return None
-        rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), src == r
-    elif src == r:
-        rows, cols, diag = q_layout.half("all"), kv_layout.half("all"), True
-    elif src < r:
-        rows, cols, diag = q_layout.half("all"), kv_layout.half("first"), False
-    else:
-        rows, cols, diag = q_layout.half("second"), kv_layout.half("all"), False
-    if q_layout.is_dense and window is None:
-        return Block(rows, cols, diag, None)
+        return "all", "all", False
+    if q_layout.contiguous:  # slices in order: the past in full, the future not at all
+        return None if src > r else ("all", "all", src == r)
+    if src == r:
+        return "all", "all", True
+    if src < r:
+        return "all", "first", False
+    return "second", "all", False
 
+
+def _mask(q_layout: SeqLayout, kv_layout: SeqLayout, rows: Selector, cols: Selector,
+          causal: bool, window: Window) -> torch.Tensor:
+    """Visible (query, key) pairs of ``rows`` x ``cols``: same sequence, both tokens real,
+    causal order and the window band - built where the layouts' metadata lives."""
     def meta(layout: SeqLayout, sel: Selector):
         return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
 
@@ -130,22 +131,53 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
     mask = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
     if causal:
         mask &= k_pos[None, :] <= q_pos[:, None]
-    if window is None:
-        return Block(rows, cols, False, mask)
-    left, right = window
-    gap = q_pos[:, None] - k_pos[None, :]
-    if left >= 0:
-        mask &= gap <= left
-    if right >= 0:
-        mask &= -gap <= right
+    if window is not None:
+        left, right = window
+        gap = q_pos[:, None] - k_pos[None, :]
+        if left >= 0:
+            mask &= gap <= left
+        if right >= 0:
+            mask &= -gap <= right
+    return mask
+
+
+@lru_cache(maxsize=1024)
+def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
+                 halves: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows and columns of a windowed block that see anything (token indices on the
+    layouts' device), or ``None`` when the window sees none of it: read on the host, once per
+    packing (every layer and the backward reuse it; no device read per block)."""
+    qh, kh = q_layout.on_host(), kv_layout.on_host()
+    rows, cols = qh.half(halves[0]), kh.half(halves[1])
+    mask = _mask(qh, kh, rows, cols, causal, window)
     keep_rows, keep_cols = mask.any(1), mask.any(0)
     if not bool(keep_rows.any()):
         return None
 
-    def trimmed(sel: Selector, keep: torch.Tensor, n: int) -> torch.Tensor:
+    def kept(sel: Selector, keep: torch.Tensor, n: int) -> torch.Tensor:
         idx = torch.arange(n)[sel] if isinstance(sel, slice) else sel
-        return idx[keep]
+        return idx[keep].to(q_layout.device)
 
-    n_local = q_layout.local_tokens
-    return Block(trimmed(rows, keep_rows, n_local), trimmed(cols, keep_cols, n_local), False,
-                 mask[keep_rows][:, keep_cols])
+    return (kept(rows, keep_rows, q_layout.local_tokens),
+            kept(cols, keep_cols, kv_layout.local_tokens))
+
+
+def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
+               window: Window = None) -> Block | None:
+    """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
+    ``None`` when ``window`` leaves no visible pair in it. Index tensors and the mask are on
+    the layouts' device."""
+    halves = _halves(q_layout, kv_layout, causal)
+    if halves is None:
+        return None
+    which_rows, which_cols, diag = halves
+    if q_layout.is_dense and window is None:
+        return Block(q_layout.half(which_rows), kv_layout.half(which_cols), diag, None)
+    if window is None:
+        rows, cols = q_layout.half(which_rows), kv_layout.half(which_cols)
+    else:
+        trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
+        if trimmed is None:
+            return None
+        rows, cols = trimmed
+    return Block(rows, cols, False, _mask(q_layout, kv_layout, rows, cols, causal, window))

@@ -85,12 +85,23 @@ def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, positi
     return seq_id, pos, pos < length, cat(first), cat(second)
 
 
+@lru_cache(maxsize=256)
+def _layout_meta_on(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int,
+                    mode: str, device: str) -> tuple[torch.Tensor, ...]:
+    """:func:`_layout_meta` on ``device``, moved there once per layout (every block of every
+    layer, forward and backward, reads it: no copy to the device per block)."""
+    meta = _layout_meta(padded, real, cp, position, mode)
+    return meta if device == "cpu" else tuple(t.to(device) for t in meta)
+
+
 @dataclass(frozen=True)
 class SeqLayout:
     """Where the tokens of one CP position sit (``thd``: per sequence; else one sequence).
 
     ``padded[i]`` / ``real[i]``: padded and real length of sequence i; ``cp``/``position``:
-    the chunking and which CP position this layout describes; ``mode``: the partition layout.
+    the chunking and which CP position this layout describes; ``mode``: the partition layout;
+    ``device``: where its per-token metadata (and the masks and indices built from it) live -
+    the device of the attention's tensors.
     Zigzag (``2*cp`` chunks): local tokens of sequence i are its first half (chunk
     ``position``) then its second half (chunk ``2*cp-1-position``); contiguous (``cp``
     slices): slice ``position``. Sequences one after another.
@@ -101,15 +112,16 @@ class SeqLayout:
     cp: int
     position: int
     mode: str = DEFAULT_CP_PARTITION_MODE
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_partition_mode(self.mode)
 
     @classmethod
     def dense(cls, seq_len_local: int, cp: int, position: int,
-              mode: str = DEFAULT_CP_PARTITION_MODE) -> SeqLayout:
+              mode: str = DEFAULT_CP_PARTITION_MODE, device: str = "cpu") -> SeqLayout:
         full = seq_len_local * cp
-        return cls((full,), (full,), cp, position, mode)
+        return cls((full,), (full,), cp, position, mode, device)
 
     @property
     def local_tokens(self) -> int:
@@ -129,12 +141,17 @@ class SeqLayout:
         return self.mode == "contiguous"
 
     def at(self, cp: int, position: int) -> SeqLayout:
-        return SeqLayout(self.padded, self.real, cp, position, self.mode)
+        return SeqLayout(self.padded, self.real, cp, position, self.mode, self.device)
+
+    def on_host(self) -> SeqLayout:
+        """This layout with its metadata on the CPU (planning that reads values)."""
+        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode)
 
     @property
     def _meta(self) -> tuple[torch.Tensor, ...]:
         # every ring step asks for another position's layout: compute each one once
-        return _layout_meta(self.padded, self.real, self.cp, self.position, self.mode)
+        return _layout_meta_on(self.padded, self.real, self.cp, self.position, self.mode,
+                               self.device)
 
     @property
     def seq_id(self) -> torch.Tensor:

@@ -719,9 +719,13 @@ def test_benchmark_layout_table_counts_bytes_and_work_per_rank(world):
 # all_gather 121, a2a 67, a2a+p2p 97. Lower a budget when a change saves launches.
 LAUNCH_BUDGET = {
     "p2p cp2": 34, "p2p cp4": 60, "p2p cp4 contiguous": 57, "p2p cp4 thd": 256,
-    "p2p cp4 gqa": 84, "p2p cp4 mla": 157, "p2p cp4 window": 302, "all_gather cp4": 63,
+    "p2p cp4 gqa": 84, "p2p cp4 mla": 157, "p2p cp4 window": 256, "all_gather cp4": 63,
     "a2a cp4": 39, "a2a+p2p cp4": 52,
 }
+# host reads per step: none but thd's checks of its packing (on the host copy of cu_seqlens,
+# which the CPU proxy cannot tell from a device read); the window's trimming is read once per
+# packing, not per block (before: 8 reads a step)
+SYNC_BUDGET = {"p2p cp4 thd": 4}
 
 
 @pytest.mark.multirank
@@ -740,7 +744,8 @@ def test_kernel_launches_per_step_stay_within_budget(world):
         counts = [(fwd.kernels + bwd.kernels, fwd, bwd) for fwd, bwd, _ in
                   (rank[i] for rank in per_rank)]
         total, fwd, bwd = max(counts, key=lambda c: c[0])
-        if total > LAUNCH_BUDGET[case.name]:
+        syncs = max(f.syncs + b.syncs for f, b, _ in (rank[i] for rank in per_rank))
+        if total > LAUNCH_BUDGET[case.name] or syncs > SYNC_BUDGET.get(case.name, 0):
             over[case.name] = (total, fwd.line(), bwd.line())
     assert not over, f"launches over budget (total, forward, backward): {over}"
     # p2p cp4: 4 blocks, each one attention kernel; 3 merges of at most 4 kernels each
