@@ -83,9 +83,9 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
             take(dout_r, block.rows), take(q_r, block.rows), take(kj, block.cols),
             take(vj, block.cols), take(final, block.rows), take(lse, block.rows),
             scale=scale, causal=block.causal)
-        dq[:, :, block.rows] += gq
-        dk[src][:, :, block.cols] += gk
-        dv[src][:, :, block.cols] += gv
+        dq[:, :, block.rows].add_(gq)
+        dk[src][:, :, block.cols].add_(gk)
+        dv[src][:, :, block.cols].add_(gv)
     return (out, dq, *dk, *dv)
 
 

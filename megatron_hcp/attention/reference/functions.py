@@ -94,7 +94,7 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
     )
     for acc, grad, sel in ((dq, gq, block.rows), (dk, gk, block.cols), (dv, gv, block.cols)):
         if isinstance(sel, slice):
-            acc[:, :, sel] += grad
+            acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
         else:
             acc.index_add_(2, sel, grad)
     return gb[0] if gb else None
@@ -328,8 +328,8 @@ class AllGatherAttention(torch.autograd.Function):
                 dk, dv = _unpack(dkv_all[src], k.shape, v.shape)
                 width = dk_cat.shape[2] // len(srcs)
                 piece = slice(part * width, (part + 1) * width)
-                dk[:, :, plan.cols] += dk_cat[:, :, piece]
-                dv[:, :, plan.cols] += dv_cat[:, :, piece]
+                dk[:, :, plan.cols].add_(dk_cat[:, :, piece])
+                dv[:, :, plan.cols].add_(dv_cat[:, :, piece])
         if work is not None:
             work.wait()
         mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
