@@ -27,18 +27,13 @@ from .seq_layout import SeqLayout
 __all__ = ["AllGatherAttention", "RingAttention", "UlyssesAllToAll"]
 
 
-def _on(block: Block | None, device: torch.device) -> Block | None:
-    if block is None:
-        return None
-
-    def move(x):
-        return x if isinstance(x, slice) or x is None else x.to(device)
-
-    return Block(move(block.rows), move(block.cols), block.causal, move(block.mask))
-
-
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+    """K and V in one flat message (two copies, whatever their strides)."""
+    nk = k.numel()
+    kv = torch.empty(nk + v.numel(), dtype=k.dtype, device=k.device)
+    kv[:nk].view(k.shape).copy_(k)
+    kv[nk:].view(v.shape).copy_(v)
+    return kv
 
 
 def _unpack(kv: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +95,15 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
     return gb[0] if gb else None
 
 
-def _new_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero output (in v's head dim) and ``-inf`` LSE accumulators for q's rows."""
+def _new_acc(q: torch.Tensor, v: torch.Tensor, first: Block | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (in v's head dim) and LSE accumulators for q's rows: zero and ``-inf``, or left
+    unfilled where the ``first`` block merged (copied) into them covers every row."""
     acc = acc_dtype(q.dtype)
     b, h, s, _ = q.shape
+    if first is not None and first.rows == slice(0, s):
+        return (torch.empty(b, h, s, v.shape[-1], dtype=acc, device=q.device),
+                torch.empty(b, h, s, dtype=acc, device=q.device))
     out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     return out, lse
@@ -169,14 +169,18 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
                 scale: float, window: Window = None, sink: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None):
-        # the kernels take q as it is (head dim contiguous); K and V travel packed
-        k, v = k.contiguous(), v.contiguous()
-        out, lse = _new_acc(q, v)
+        # the kernels take q as it is (head dim contiguous); K and V travel packed, and the
+        # backward sends the same message again
+        packed = _pack(k, v)
+        # the first step is the local block: with all rows, the accumulators need no fill
+        local = plan_block(layout, layout, causal, window)
+        out, lse = _new_acc(q, v, local)
         steps = ring_reach(layout, causal, window) + 1
         first = True
-        for src, kv in _ring_steps(_pack(k, v), group, ranks, layout.position, steps):
+        for src, kv in _ring_steps(packed, group, ranks, layout.position, steps):
             kv_layout = layout.at(layout.cp, src)
-            block = _on(plan_block(layout, kv_layout, causal, window), q.device)
+            block = local if src == layout.position else plan_block(layout, kv_layout, causal,
+                                                                    window)
             record_block(block, layout)
             if block is not None:  # outside the window: pass the K/V on, compute nothing
                 kj, vj = _unpack(kv, k.shape, v.shape)
@@ -185,23 +189,24 @@ class RingAttention(torch.autograd.Function):
                                first=first)
                 first = False
         lse = _apply_sink(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink, bias)
-        ctx.meta = (layout, group, ranks, causal, scale, window)
+        ctx.save_for_backward(q, packed, out, lse, sink, bias)
+        ctx.meta = (layout, group, ranks, causal, scale, window, k.shape, v.shape)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sink, bias = ctx.saved_tensors
-        layout, group, ranks, causal, scale, window = ctx.meta
+        q, packed, out, lse, sink, bias = ctx.saved_tensors
+        layout, group, ranks, causal, scale, window, k_shape, v_shape = ctx.meta
+        k, v = _unpack(packed, k_shape, v_shape)
         p, pos = len(ranks), layout.position
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
         steps = ring_reach(layout, causal, window) + 1
-        for step, (src, kv) in enumerate(_ring_steps(_pack(k, v), group, ranks, pos, steps)):
+        for step, (src, kv) in enumerate(_ring_steps(packed, group, ranks, pos, steps)):
             kv_layout = layout.at(layout.cp, src)
-            block = _on(plan_block(layout, kv_layout, causal, window), q.device)
+            block = plan_block(layout, kv_layout, causal, window)
             if block is not None:
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 dk, dv = _unpack(dkv, k.shape, v.shape)
@@ -279,18 +284,18 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float,
                 window: Window = None, sink: torch.Tensor | None = None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
-        out, lse = _new_acc(q, v)
         groups = AllGatherAttention._ordered(layout, causal, window, record=True)
+        local = groups[0][1] if groups and groups[0][0] == [layout.position] else None
+        out, lse = _new_acc(q, v, local)
         for index, (srcs, plan) in enumerate(groups):
             if srcs == [layout.position]:
-                kj, vj, block = k, v, _on(plan, q.device)
+                kj, vj, block = k, v, plan
             else:
                 if work is not None:
                     work.wait()
                     work = None
-                kj, vj, block = _gathered_kv(full, srcs, _on(plan, q.device), k.shape, v.shape)
+                kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
             _forward_block(q, kj, vj, block, scale, out, lse, first=index == 0)
         if work is not None:
             work.wait()
@@ -309,7 +314,6 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
         for srcs, plan in AllGatherAttention._ordered(layout, causal, window):
-            plan = _on(plan, q.device)
             if srcs == [layout.position]:
                 kj, vj, block = k, v, plan
             else:
