@@ -91,7 +91,7 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
         if isinstance(sel, slice):
             acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
         else:
-            acc.index_add_(2, sel, grad)
+            acc.index_add_(2, sel, grad.to(acc.dtype))
     return gb[0] if gb else None
 
 
@@ -124,7 +124,7 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
                ) -> torch.Tensor:
     """d loss / d sink of this rank's rows: the sink's probability times ``-rowsum(dO * O)``,
     summed over batch and rows (its value is 0, so it only takes share from the others)."""
-    delta = (dout.to(out.dtype) * out).sum(-1)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     prob = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
     return -(prob * delta).sum((0, 2)).to(sink.dtype)
 
@@ -189,9 +189,10 @@ class RingAttention(torch.autograd.Function):
                                first=first)
                 first = False
         lse = _apply_sink(out, lse, sink)
+        out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, packed, out, lse, sink, bias)
         ctx.meta = (layout, group, ranks, causal, scale, window, k.shape, v.shape)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -300,9 +301,10 @@ class AllGatherAttention(torch.autograd.Function):
         if work is not None:
             work.wait()
         lse = _apply_sink(out, lse, sink)
+        out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (layout, group, causal, scale, window)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):

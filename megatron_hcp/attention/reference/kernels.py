@@ -245,7 +245,9 @@ def block_backward(
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of one block given the final ``out``/``lse`` of its query rows.
 
-    Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype, and
+    Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype
+    (a fused kernel's in its own dtype: adding them into the accumulation-dtype gradient
+    converts them on the way, in the same kernel), and
     with ``bias`` also d bias [B,H,Sq,Sk] (before reducing to the bias's broadcast shape).
     ``kernel``: the block's :func:`kernel_for` (computed when not given).
     """
@@ -258,7 +260,8 @@ def block_backward(
     if kernel.kernel != MATH:
         dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,
                                      out.to(q.dtype), lse, scale, causal)
-        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
+        if kv_heads != heads:  # GQA: the query heads' shares are summed in acc's precision
+            dk, dv = dk.to(acc), dv.to(acc)
     else:
         qa, ka, va, doa = q.to(acc), ke.to(acc), ve.to(acc), dout.to(acc)
         s = _math_scores(qa, ka, scale, causal, mask, bias)
@@ -298,15 +301,15 @@ def merge_into(
     (LSE ``-inf``: a mask, or a bias with ``-inf``); without it every row of the block saw a
     key (dense blocks), and no row can turn to NaN.
     """
+    if first and isinstance(rows, slice):  # a copy converts the dtype on the way
+        out_acc[:, :, rows].copy_(out_blk)
+        lse_acc[:, :, rows].copy_(lse_blk)
+        return
     lse_b = lse_blk.to(lse_acc.dtype)
     out_b = out_blk.to(out_acc.dtype)
     if first:
-        if isinstance(rows, slice):
-            out_acc[:, :, rows] = out_b
-            lse_acc[:, :, rows] = lse_b
-        else:
-            out_acc.index_copy_(2, rows, out_b)
-            lse_acc.index_copy_(2, rows, lse_b)
+        out_acc.index_copy_(2, rows, out_b)
+        lse_acc.index_copy_(2, rows, lse_b)
         return
     if isinstance(rows, slice):
         o, m = out_acc[:, :, rows], lse_acc[:, :, rows]

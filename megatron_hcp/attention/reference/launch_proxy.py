@@ -27,7 +27,7 @@ __all__ = ["CASES", "LaunchCase", "rank_launches"]
 
 @dataclass(frozen=True)
 class LaunchCase:
-    """One CP attention configuration (global sequence ``seq``, causal, fp32, batch 1)."""
+    """One CP attention configuration (global sequence ``seq``, causal, batch 1)."""
 
     name: str
     comm: str
@@ -40,16 +40,19 @@ class LaunchCase:
     window: tuple[int, int] | None = None
     mode: str = "zigzag"
     seq: int = 512
+    dtype: torch.dtype = torch.float32
 
     @property
     def hcp(self) -> tuple[int, int] | None:
         return (2, self.cp // 2) if self.comm == "a2a+p2p" else None
 
 
-# every comm type, both layouts, thd, GQA, MLA head dims and a sliding window, at CP 2 and 4
+# every comm type, both layouts, thd, GQA, MLA head dims, a sliding window and bf16 (its
+# conversions to and from the fp32 accumulators), at CP 2 and 4
 CASES = (
     LaunchCase("p2p cp2", "p2p", 2),
     LaunchCase("p2p cp4", "p2p", 4),
+    LaunchCase("p2p cp4 bf16", "p2p", 4, dtype=torch.bfloat16),
     LaunchCase("p2p cp4 contiguous", "p2p", 4, mode="contiguous"),
     LaunchCase("p2p cp4 thd", "p2p", 4, fmt="thd"),
     LaunchCase("p2p cp4 gqa", "p2p", 4, kv_heads=2),
@@ -90,7 +93,7 @@ def _inputs(case: LaunchCase, position: int, device: torch.device):
         lead = (1, case.seq)
     shapes = [(case.heads, case.dim), (case.kv_heads, case.dim), (case.kv_heads, dv),
               (case.heads, dv)]
-    full = [torch.randn(*lead, *s, generator=gen).to(device) for s in shapes]
+    full = [torch.randn(*lead, *s, generator=gen).to(device, case.dtype) for s in shapes]
     pad = meta.get("cu_seqlens_q_padded")
     return [get_local_chunk(x, case.cp, position, case.fmt, pad, cp_partition_mode=case.mode)
             for x in full], meta

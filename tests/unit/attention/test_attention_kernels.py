@@ -210,7 +210,7 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     """benchmarks/attention.py --device cuda's table, run small on the CPU: a row per problem
     (MHA, GQA, MLA head dims), sequence length and CP size that cuts it, with the verdict
     against issue #34's goal (1.10x at CP <= 8, 1.25x at CP 16)."""
-    from benchmarks.attention import gpu_block_table, goal
+    from benchmarks.attention import goal, gpu_block_table
 
     problems = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8)}
     lines = gpu_block_table([64, 48], problems, "fp32", [2, 4, 16], 1, device="cpu")
