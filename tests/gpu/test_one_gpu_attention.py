@@ -60,15 +60,17 @@ def test_cuda_path_against_the_oracle(gpu_threads, report, name):
     assert not (bad := failures_of(cases, per_rank)), bad[:8]
 
 
-def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda"):
-    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64) in ``dtype`` on
-    ``device``, the kernels its blocks took, and its error and one SDPA call's error against
-    the fp64 oracle (output and gradients)."""
+def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: int = 64):
+    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64; v's ``dv``) in ``dtype``
+    on ``device``, the kernels its blocks took, and its error and one SDPA call's error
+    against the fp64 oracle (output and gradients)."""
     group, _ = cp_groups(4, (2, 2) if comm == "a2a+p2p" else None)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(11)
-    q, dout = (torch.randn(2, 256, 4, 64, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(2, 256, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(2, 256, 4, 64, generator=gen, dtype=torch.float64)
+    dout = torch.randn(2, 256, 4, dv, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 256, 2, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 256, 2, dv, generator=gen, dtype=torch.float64)
     q, k, v, dout = (x.to(device) for x in (q, k, v, dout))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = full_attention(*ref_in, causal=True, qkv_format="bshd")
@@ -109,6 +111,21 @@ def test_blocks_take_the_fused_kernels(gpu_threads, report, comm, dtype):
     report(1, f"kernels {sorted(kernels)}; max error vs fp64 oracle: CP {cp_err:.1e}, "
               f"one SDPA call {one_err:.1e}")
     assert kernels == {want}, [k for k, _, _ in results]
+    assert cp_err <= 2 * one_err + 1e-3
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_mla_blocks_in_bf16_take_the_efficient_kernel(gpu_threads, report, comm):
+    """MLA head dims (d_qk 64, d_v 32) in bf16: the blocks take the efficient kernel, whose
+    backward reads the output with a row stride of its own (kernels._heads_inner), and CP
+    attention is as accurate as one SDPA call (within twice its error + 1e-3)."""
+    results = gpu_threads.run(kernels_and_errors, comm, torch.bfloat16, "cuda", 32)
+    kernels = {k for kernels, _, _ in results for (k, _why) in kernels}
+    cp_err = max(e for _, e, _ in results)
+    one_err = max(e for _, _, e in results)
+    report(1, f"kernels {sorted(kernels)}; max error vs fp64 oracle: CP {cp_err:.1e}, "
+              f"one SDPA call {one_err:.1e}")
+    assert kernels == {CUDA_EFFICIENT}, [k for k, _, _ in results]
     assert cp_err <= 2 * one_err + 1e-3
 
 

@@ -64,7 +64,8 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     q_r, dout_r = _local(q, cp, rank), _local(dout, cp, rank)
     kv = [(_local(k, cp, s), _local(v, cp, s)) for s in range(cp)]
     b, h, n, _ = q_r.shape
-    out = torch.zeros(b, h, n, v.shape[-1], dtype=acc, device=q.device)
+    # the backend's output layout: [B, S, H, Dv] in memory (functions._new_acc)
+    out = torch.zeros(b, n, h, v.shape[-1], dtype=acc, device=q.device).permute(0, 2, 1, 3)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     order = [(rank - step) % cp for step in range(cp)]  # ring order
     blocks = [(src, plan_block(layout, layout.at(cp, src), causal)) for src in order]

@@ -101,10 +101,14 @@ def _new_acc(q: torch.Tensor, v: torch.Tensor, first: Block | None
     unfilled where the ``first`` block merged (copied) into them covers every row."""
     acc = acc_dtype(q.dtype)
     b, h, s, _ = q.shape
+    # the output in [B, S, H, Dv] memory order, seen as [B, H, S, Dv]: as megatron's bshd
+    # output (a view, no copy) and as the efficient kernel's backward reads it
+    # (kernels._heads_inner)
+    shape, order = (b, s, h, v.shape[-1]), (0, 2, 1, 3)
     if first is not None and first.rows == slice(0, s):
-        return (torch.empty(b, h, s, v.shape[-1], dtype=acc, device=q.device),
+        return (torch.empty(shape, dtype=acc, device=q.device).permute(order),
                 torch.empty(b, h, s, dtype=acc, device=q.device))
-    out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
+    out = torch.zeros(shape, dtype=acc, device=q.device).permute(order)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     return out, lse
 

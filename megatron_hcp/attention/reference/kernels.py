@@ -149,6 +149,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _heads_inner(out: torch.Tensor) -> torch.Tensor:
+    """``out`` [B,H,S,Dv] with its heads inside its rows in memory ([B,S,H,Dv] order), as the
+    efficient kernel's backward reads it: in fp16/bf16 that kernel computes its row sums from
+    ``out`` with a row stride of ``H*Dv`` of its own, whatever ``out``'s strides are (torch's
+    ``kernel_backward.h``, ``o_strideM``), so an output in [B,H,S,Dv] order would give wrong
+    gradients without an error. Copied only when needed (the accumulators are allocated in
+    that order)."""
+    if out.shape[1] == 1 or out.stride(2) == out.shape[1] * out.shape[3]:
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
     q, k, v = _rows(q), _rows(k), _rows(v)
     if kernel == CPU_FLASH:
@@ -173,6 +185,7 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: 
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
             causal, _no_rng(), _no_rng(), scale=scale)
+    out = _heads_inner(out)
     b, h, sq = lse.shape
     padded = torch.full((b, h, -(-sq // _LSE_ALIGN) * _LSE_ALIGN), float("inf"),
                         dtype=torch.float32, device=lse.device)

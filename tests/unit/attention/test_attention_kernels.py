@@ -222,3 +222,21 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     assert all(r.split()[9] in ("met", "missed") for r in rows), rows
     assert "math (MLA head dims" in rows[-1] and "cpu_flash" in rows[0]
     assert (goal(8), goal(16)) == (1.10, 1.25)
+
+
+def test_the_efficient_backward_gets_the_output_with_heads_inside_rows():
+    """The efficient kernel's fp16/bf16 backward reads the output with a row stride of H*Dv of
+    its own: an output in [B,H,S,Dv] memory order is re-laid (same values), one already in
+    [B,S,H,Dv] order - as the CP accumulators are, also a half of its rows - passes as is."""
+    from megatron_hcp.attention.reference.functions import _new_acc
+    from megatron_hcp.attention.reference.kernels import _heads_inner
+
+    bhsd = torch.randn(2, 4, 6, 8)
+    fixed = _heads_inner(bhsd)
+    assert torch.equal(fixed, bhsd) and fixed.stride(2) == 4 * 8
+    out, _ = _new_acc(torch.zeros(2, 4, 6, 16), torch.zeros(2, 4, 6, 8), None)
+    assert _heads_inner(out) is out and _heads_inner(out[:, :, 3:]) is not None
+    assert out[:, :, 3:].stride(2) == 4 * 8 and _heads_inner(out[:, :, 3:]).data_ptr() == (
+        out[:, :, 3:].data_ptr())
+    one_head = torch.randn(2, 1, 6, 8)
+    assert _heads_inner(one_head) is one_head

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hcp.attention.reference.kernels import CPU_FLASH
+from megatron_hcp.attention.reference.kernels import CPU_FLASH, MATH
 from megatron_hcp.local_world import RankError
 from megatron_hcp.threaded_world import ThreadedWorld, ThreadedWorldError
 from tests.gpu.test_one_gpu_attention import kernels_and_errors
@@ -125,3 +125,7 @@ def test_the_gpu_suites_kernel_check_on_cpu(threads, comm):
     results = threads.run(kernels_and_errors, comm, torch.float32, "cpu")
     assert {k for kernels, _, _ in results for (k, _why) in kernels} == {CPU_FLASH}
     assert max(e for _, e, _ in results) <= 2 * max(e for _, _, e in results) + 1e-3
+    # its MLA variant (d_v 32): the CPU's math path, as accurate
+    mla = threads.run(kernels_and_errors, comm, torch.float32, "cpu", 32)
+    assert {k for kernels, _, _ in mla for (k, _why) in kernels} == {MATH}
+    assert max(e for _, e, _ in mla) <= 2 * max(e for _, _, e in mla) + 1e-3
