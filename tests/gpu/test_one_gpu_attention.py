@@ -98,34 +98,27 @@ def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: 
     return dict(counter.kernels), cp_err, one_err
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+# (dtype, v's head dim, the kernel dense blocks take): MLA head dims (d_v 32) in bf16 take the
+# efficient kernel, whose half-precision backward reads the output with a row stride of its
+# own (kernels._heads_inner)
+FUSED = {"bf16": (torch.bfloat16, 64, CUDA_FLASH), "fp32": (torch.float32, 64, CUDA_EFFICIENT),
+         "bf16-mla": (torch.bfloat16, 32, CUDA_EFFICIENT)}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED))
 @pytest.mark.parametrize("comm", COMMS)
-def test_blocks_take_the_fused_kernels(gpu_threads, report, comm, dtype):
-    """Dense blocks run torch's flash (bf16) / efficient (fp32) kernels, and CP attention is
-    as accurate as one SDPA call on the whole sequence (within twice its error + 1e-3)."""
-    want = CUDA_FLASH if dtype == torch.bfloat16 else CUDA_EFFICIENT
-    results = gpu_threads.run(kernels_and_errors, comm, dtype)
+def test_blocks_take_the_fused_kernels(gpu_threads, report, comm, case):
+    """Dense blocks run torch's flash (bf16) / efficient (fp32, bf16 MLA) kernels, and CP
+    attention is as accurate as one SDPA call on the whole sequence (within twice its error +
+    1e-3)."""
+    dtype, dv, want = FUSED[case]
+    results = gpu_threads.run(kernels_and_errors, comm, dtype, "cuda", dv)
     kernels = {k for kernels, _, _ in results for (k, _why) in kernels}
     cp_err = max(e for _, e, _ in results)
     one_err = max(e for _, _, e in results)
     report(1, f"kernels {sorted(kernels)}; max error vs fp64 oracle: CP {cp_err:.1e}, "
               f"one SDPA call {one_err:.1e}")
     assert kernels == {want}, [k for k, _, _ in results]
-    assert cp_err <= 2 * one_err + 1e-3
-
-
-@pytest.mark.parametrize("comm", COMMS)
-def test_mla_blocks_in_bf16_take_the_efficient_kernel(gpu_threads, report, comm):
-    """MLA head dims (d_qk 64, d_v 32) in bf16: the blocks take the efficient kernel, whose
-    backward reads the output with a row stride of its own (kernels._heads_inner), and CP
-    attention is as accurate as one SDPA call (within twice its error + 1e-3)."""
-    results = gpu_threads.run(kernels_and_errors, comm, torch.bfloat16, "cuda", 32)
-    kernels = {k for kernels, _, _ in results for (k, _why) in kernels}
-    cp_err = max(e for _, e, _ in results)
-    one_err = max(e for _, _, e in results)
-    report(1, f"kernels {sorted(kernels)}; max error vs fp64 oracle: CP {cp_err:.1e}, "
-              f"one SDPA call {one_err:.1e}")
-    assert kernels == {CUDA_EFFICIENT}, [k for k, _, _ in results]
     assert cp_err <= 2 * one_err + 1e-3
 
 
