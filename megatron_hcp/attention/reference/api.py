@@ -218,7 +218,7 @@ def _scatter_rows(t: torch.Tensor, *, index: torch.Tensor, rows: int) -> torch.T
     return out.index_copy(0, index.to(t.device), t)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _a2a_permutations(layout: SeqLayout, a: int, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The a2a gather permutation of ``layout`` and its inverse, on ``device``: built once per

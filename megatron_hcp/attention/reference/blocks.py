@@ -141,7 +141,7 @@ def _mask(q_layout: SeqLayout, kv_layout: SeqLayout, rows: Selector, cols: Selec
     return mask
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
                  halves: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows and columns of a windowed block that see anything (token indices on the

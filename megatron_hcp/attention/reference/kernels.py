@@ -229,7 +229,7 @@ def block_forward(
     fp32 (CUDA efficient) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
-    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    q, k, v = _rows(q), _expand_kv(_rows(k), heads), _expand_kv(_rows(v), heads)
     if kernel is None:
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     record_kernel(kernel.kernel, kernel.reason)
@@ -266,7 +266,8 @@ def block_backward(
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = acc_dtype(q.dtype)
-    ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
+    q = _rows(q)  # as the fused kernels take it, before torch's checks choose one
+    ke, ve = _expand_kv(_rows(k), heads), _expand_kv(_rows(v), heads)
     dbias = None
     if kernel is None:
         kernel = kernel_for(q, ke, ve, causal=causal, mask=mask, bias=bias)

@@ -4,8 +4,10 @@ A step is one :func:`~.api.context_parallel_attention` forward and its backward 
 (real groups, real communication). :func:`rank_launches` runs each :class:`LaunchCase` on the
 ranks of the calling world and counts what it launched with :func:`~.launches.count_launches`;
 a GPU would launch the same aten ops (the attention kernel differs by device, the rest does
-not). ``tests/unit/attention/test_cp_attention.py`` holds the counts to a budget and
-``benchmarks/attention.py --launches`` prints them (issue #34).
+not). Counts are a steady step: a warm-up step runs first, so what is built once per packing
+(layout metadata, a window's trimming, a2a permutations) is not in them - a new packing's
+first layer pays it once. ``tests/unit/attention/test_cp_attention.py`` holds the counts to a
+budget and ``benchmarks/attention.py --launches`` prints them (issue #34).
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ that runs a kernel passes torch's dispatcher after autograd, whatever the device
 forward and of the backward, composite ops already split into the ops that run) and counts:
 
 * ``kernels`` - aten ops that do work: every op except views (``OpOverload.is_view``),
-  allocations and metadata (:data:`NO_KERNEL`) and host reads; a fused attention op counts
-  once, however many kernels it runs inside;
+  allocations and metadata (:data:`NO_KERNEL`) and ``.item()``-style reads; a fused attention
+  op counts once, however many kernels it runs inside; ``nonzero`` counts here and as a sync;
 * ``syncs`` - host reads of a tensor's value (:data:`SYNC`: ``.item()``, ``bool(t)``,
-  ``nonzero``), each a host-device synchronisation where the tensor is on a GPU;
+  ``nonzero``), each a host-device synchronisation where the tensor is on a GPU - on the CPU
+  the counter cannot tell a read of host metadata (free) from one of device data, and a copy
+  to the host (``.cpu()``, the sync on a GPU) is no op on the CPU at all;
 * collectives (``c10d`` ops) are not counted: they are communication.
 
 Counts are deterministic for given shapes, code and torch release, so a test can hold them to a

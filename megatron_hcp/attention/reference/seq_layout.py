@@ -85,7 +85,7 @@ def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, positi
     return seq_id, pos, pos < length, cat(first), cat(second)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)  # a packing needs cp entries a rank; packings change every micro-batch
 def _layout_meta_on(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int,
                     mode: str, device: str) -> tuple[torch.Tensor, ...]:
     """:func:`_layout_meta` on ``device``, moved there once per layout (every block of every
