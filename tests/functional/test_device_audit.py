@@ -112,6 +112,40 @@ def audit_with_the_old_cpu_runtime_rule(path: str) -> list[dict]:
         patching.apply_cpu_runtime = fixed
 
 
+def audit_cp_attention_steps() -> tuple[list[dict], list[str]]:
+    """One rank: a forward + backward of every CP attention case of the launch proxy (every
+    comm type, thd, a sliding window, GQA, MLA, bf16) on emulated CUDA tensors, with the mixes
+    found, and the devices of a packed, windowed block's indices and mask (built once per
+    packing on the attention's device)."""
+    import torch.distributed as dist
+
+    from megatron_hcp.attention.reference.blocks import plan_block
+    from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout
+    from megatron_hcp.virtual_cuda import virtual_cuda
+
+    rank = dist.get_rank()
+    with virtual_cuda(rank) as audit:
+        rank_launches(CASES, device="cuda")
+        layout = SeqLayout((16, 32), (12, 32), 4, rank % 4, device=f"cuda:{rank}")
+        block = plan_block(layout, layout.at(4, 0), True, (6, 0))
+        devices = [] if block is None else [str(t.device) for t in (block.rows, block.cols,
+                                                                     block.mask)]
+    return [m.to_json() for m in audit.mixes], devices
+
+
+@pytest.mark.multirank
+def test_cp_attention_on_emulated_cuda_mixes_no_devices(worlds):
+    """The CP attention backend's own device paths, beyond what the recipes reach (windows,
+    every comm type, bf16): no op mixes devices, and the per-packing block metadata lives on
+    the GPU."""
+    per_rank = worlds(4).run(audit_cp_attention_steps)
+    for rank, (mixes, devices) in enumerate(per_rank):
+        assert not mixes, _mixes([mixes])[0][0].line()
+        assert devices in ([], [f"cuda:{rank}"] * 3), devices
+    assert any(devices for _, devices in per_rank)
+
+
 def _mixes(per_rank: list[list[dict]]) -> list[list[DeviceMix]]:
     return [[DeviceMix.from_json(m) for m in mixes] for mixes in per_rank]
 
