@@ -219,12 +219,11 @@ def _scatter_rows(t: torch.Tensor, *, index: torch.Tensor, rows: int) -> torch.T
 
 
 @functools.lru_cache(maxsize=16)
-def _a2a_permutations(layout: SeqLayout, a: int, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The a2a gather permutation of ``layout`` and its inverse, on ``device``: built once per
-    packing, not per call (every layer of a step and its backward share them; on a GPU each
-    build is host work and a copy to the device)."""
-    perm = a2a_gather_permutation(layout, a).to(device)
+def _a2a_permutations(layout: SeqLayout, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The a2a gather permutation of ``layout`` and its inverse, on the layout's device: built
+    once per packing, not per call (every layer of a step and its backward share them; on a
+    GPU each build is host work and a copy to the device)."""
+    perm = a2a_gather_permutation(layout, a).to(layout.device)
     return perm, torch.argsort(perm)
 
 
@@ -334,7 +333,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
             reps = a // kh.shape[1]
             kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
-        perm, inv = _a2a_permutations(layout, a, q.device)
+        perm, inv = _a2a_permutations(layout, a)
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index

@@ -162,7 +162,6 @@ def _heads_inner(out: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
-    q, k, v = _rows(q), _rows(k), _rows(v)
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -176,7 +175,7 @@ def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
 
 
 def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    dout, q, k, v, out = (_rows(t) for t in (dout, q, k, v, out))
+    dout, out = _rows(dout), _rows(out)  # q, k, v: as block_backward made them
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
