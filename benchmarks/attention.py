@@ -39,8 +39,9 @@ and 128K at CP 2, 4, 8 and 16 and three problems: MHA (``--heads``/``--dim``, de
 of 128), GQA (32 query heads, 8 KV heads) and MLA head dims (d_qk 192, d_v 128); goal (issue
 #34) <= 1.10x at CP <= 8 and <= 1.25x at CP 16, reported met / missed, not asserted. It also
 prints which kernel the blocks took (``cuda_flash`` / ``cuda_efficient``, or ``math`` with the
-reason). Sliding windows are not in this replay: their blocks are masked and take the math
-path, whose score matrices at these lengths do not fit one GPU.
+reason). Sliding windows are not in this replay: their blocks are masked (the efficient kernel
+with the mask as its bias), and a fair one-call baseline needs flash's own window (varlen
+``window_size``), which this replay does not call yet.
 ``.venv/bin/python benchmarks/attention.py --device cuda [--seqs 32768 65536 131072
 --problems mha gqa mla --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16]``
 """
@@ -371,7 +372,7 @@ def main() -> None:
             parser.error("--device cuda: torch.cuda.is_available() is False here")
         if args.window is not None:
             parser.error("--window: the --device cuda block replay measures dense causal "
-                         "blocks only (windowed blocks take the math path)")
+                         "blocks only (no one-call windowed baseline yet)")
         problems = {p: PROBLEMS[p] or (h, hkv, d, d) for p in args.problems}
         seqs = args.seqs or [32768, 65536, 131072]
         print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats)))

@@ -60,10 +60,11 @@ def test_cuda_path_against_the_oracle(gpu_threads, report, name):
     assert not (bad := failures_of(cases, per_rank)), bad[:8]
 
 
-def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: int = 64):
-    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64; v's ``dv``) in ``dtype``
-    on ``device``, the kernels its blocks took, and its error and one SDPA call's error
-    against the fp64 oracle (output and gradients)."""
+def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: int = 64,
+                       window: tuple[int, int] | None = None):
+    """One rank: CP attention (bshd, causal, GQA, CP 4, head dim 64; v's ``dv``; a sliding
+    ``window``: masked blocks) in ``dtype`` on ``device``, the kernels its blocks took, and its
+    error and one SDPA call's error against the fp64 oracle (output and gradients)."""
     group, _ = cp_groups(4, (2, 2) if comm == "a2a+p2p" else None)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(11)
@@ -73,15 +74,20 @@ def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: 
     v = torch.randn(2, 256, 2, dv, generator=gen, dtype=torch.float64)
     q, k, v, dout = (x.to(device) for x in (q, k, v, dout))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = full_attention(*ref_in, causal=True, qkv_format="bshd")
+    ref = full_attention(*ref_in, causal=True, qkv_format="bshd", window_size=window)
     ref.backward(dout)
     local = [get_local_chunk(x, 4, rank, "bshd").to(dtype).requires_grad_() for x in (q, k, v)]
     with BlockCounter() as counter:
         out = context_parallel_attention(*local, cp_comm_type=comm, cp_group=group,
-                                         causal=True, qkv_format="bshd")
+                                         causal=True, qkv_format="bshd", window_size=window)
     out.backward(get_local_chunk(dout, 4, rank, "bshd").to(dtype))
     one_in = [x.detach().to(dtype).transpose(1, 2).requires_grad_() for x in (q, k, v)]
-    one = torch.nn.functional.scaled_dot_product_attention(*one_in, is_causal=True,
+    band = None
+    if window is not None:  # causal and at most window[0] tokens back (the right side is 0)
+        gap = torch.arange(256, device=device)[:, None] - torch.arange(256, device=device)
+        band = (gap >= 0) & (gap <= window[0])
+    one = torch.nn.functional.scaled_dot_product_attention(*one_in, attn_mask=band,
+                                                           is_causal=band is None,
                                                            enable_gqa=True)
     one.backward(dout.to(dtype).transpose(1, 2))
 
@@ -98,21 +104,24 @@ def kernels_and_errors(comm: str, dtype: torch.dtype, device: str = "cuda", dv: 
     return dict(counter.kernels), cp_err, one_err
 
 
-# (dtype, v's head dim, the kernel dense blocks take): MLA head dims (d_v 32) in bf16 take the
-# efficient kernel, whose half-precision backward reads the output with a row stride of its
-# own (kernels._heads_inner)
-FUSED = {"bf16": (torch.bfloat16, 64, CUDA_FLASH), "fp32": (torch.float32, 64, CUDA_EFFICIENT),
-         "bf16-mla": (torch.bfloat16, 32, CUDA_EFFICIENT)}
+# (dtype, v's head dim, sliding window, the kernel the blocks take): MLA head dims (d_v 32) in
+# bf16 take the efficient kernel, whose backward reads the output with a row stride of its own
+# (kernels._heads_inner); a window's masked blocks take it with their mask as its bias
+FUSED = {"bf16": (torch.bfloat16, 64, None, CUDA_FLASH),
+         "fp32": (torch.float32, 64, None, CUDA_EFFICIENT),
+         "bf16-mla": (torch.bfloat16, 32, None, CUDA_EFFICIENT),
+         "bf16-window": (torch.bfloat16, 64, (40, 0), CUDA_EFFICIENT),
+         "bf16-mla-window": (torch.bfloat16, 32, (40, 0), CUDA_EFFICIENT)}
 
 
 @pytest.mark.parametrize("case", sorted(FUSED))
 @pytest.mark.parametrize("comm", COMMS)
 def test_blocks_take_the_fused_kernels(gpu_threads, report, comm, case):
-    """Dense blocks run torch's flash (bf16) / efficient (fp32, bf16 MLA) kernels, and CP
-    attention is as accurate as one SDPA call on the whole sequence (within twice its error +
-    1e-3)."""
-    dtype, dv, want = FUSED[case]
-    results = gpu_threads.run(kernels_and_errors, comm, dtype, "cuda", dv)
+    """Dense blocks run torch's flash (bf16) / efficient (fp32, bf16 MLA) kernels, masked
+    (windowed) blocks the efficient one, and CP attention is as accurate as one SDPA call on
+    the whole sequence (within twice its error + 1e-3)."""
+    dtype, dv, window, want = FUSED[case]
+    results = gpu_threads.run(kernels_and_errors, comm, dtype, "cuda", dv, window)
     kernels = {k for kernels, _, _ in results for (k, _why) in kernels}
     cp_err = max(e for _, e, _ in results)
     one_err = max(e for _, _, e in results)

@@ -11,8 +11,9 @@ is one SDPA forward + backward on the whole sequence (causal, the same dtype; to
 kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio`` = replay /
 baseline; the issue's goal is <= 1.15.
 
-Dense (``bshd``/``sbhd``) layouts only: packed ``thd`` blocks and windows take the math path
-(:mod:`.kernels`), which this replay would only show as slow.
+Dense (``bshd``/``sbhd``) layouts only: packed ``thd`` blocks and windows are masked blocks
+(:mod:`.kernels`: the fused kernels with an additive mask), whose one-call baseline on the whole
+sequence would need a windowed / varlen kernel this replay does not call.
 """
 
 from __future__ import annotations

@@ -119,15 +119,27 @@ def _halves(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool
     return "second", "all", False
 
 
-def _mask(q_layout: SeqLayout, kv_layout: SeqLayout, rows: Selector, cols: Selector,
-          causal: bool, window: Window) -> torch.Tensor:
-    """Visible (query, key) pairs of ``rows`` x ``cols``: same sequence, both tokens real,
-    causal order and the window band - built where the layouts' metadata lives."""
-    def meta(layout: SeqLayout, sel: Selector):
-        return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
+Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sequence id, position, real token
 
-    q_seq, q_pos, q_ok = meta(q_layout, rows)
-    k_seq, k_pos, k_ok = meta(kv_layout, cols)
+
+def _meta(layout: SeqLayout, sel: Selector) -> Meta:
+    """The per-token metadata of the tokens ``sel`` of ``layout``."""
+    return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
+
+
+@lru_cache(maxsize=128)  # three vectors of a half's tokens; a packing needs 2 per position
+def _half_meta(layout: SeqLayout, which: str) -> Meta:
+    """:func:`_meta` of a half of ``layout`` (``"all"``, ``"first"``, ``"second"``), gathered
+    once per packing: every block of every layer, forward and backward, reads it."""
+    return _meta(layout, layout.half(which))
+
+
+def _mask(q: Meta, k: Meta, causal: bool, window: Window) -> torch.Tensor:
+    """Visible (query, key) pairs of the query tokens ``q`` x the key tokens ``k`` (their
+    metadata): same sequence, both tokens real, causal order and the window band - built where
+    the metadata lives."""
+    q_seq, q_pos, q_ok = q
+    k_seq, k_pos, k_ok = k
     mask = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
     if causal:
         mask &= k_pos[None, :] <= q_pos[:, None]
@@ -143,13 +155,15 @@ def _mask(q_layout: SeqLayout, kv_layout: SeqLayout, rows: Selector, cols: Selec
 
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
-                 halves: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 halves: tuple[str, str]
+                 ) -> tuple[torch.Tensor, torch.Tensor, Meta, Meta] | None:
     """The rows and columns of a windowed block that see anything (token indices on the
-    layouts' device), or ``None`` when the window sees none of it: read on the host, once per
-    packing (every layer and the backward reuse it; no device read per block)."""
+    layouts' device) and their metadata, or ``None`` when the window sees none of it: read on
+    the host, once per packing (every layer and the backward reuse it; no device read per
+    block)."""
     qh, kh = q_layout.on_host(), kv_layout.on_host()
     rows, cols = qh.half(halves[0]), kh.half(halves[1])
-    mask = _mask(qh, kh, rows, cols, causal, window)
+    mask = _mask(_meta(qh, rows), _meta(kh, cols), causal, window)
     keep_rows, keep_cols = mask.any(1), mask.any(0)
     if not bool(keep_rows.any()):
         return None
@@ -158,8 +172,9 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
         idx = torch.arange(n)[sel] if isinstance(sel, slice) else sel
         return idx[keep].to(q_layout.device)
 
-    return (kept(rows, keep_rows, q_layout.local_tokens),
-            kept(cols, keep_cols, kv_layout.local_tokens))
+    rows = kept(rows, keep_rows, q_layout.local_tokens)
+    cols = kept(cols, keep_cols, kv_layout.local_tokens)
+    return rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols)
 
 
 def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
@@ -175,9 +190,10 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         return Block(q_layout.half(which_rows), kv_layout.half(which_cols), diag, None)
     if window is None:
         rows, cols = q_layout.half(which_rows), kv_layout.half(which_cols)
+        q_meta, k_meta = _half_meta(q_layout, which_rows), _half_meta(kv_layout, which_cols)
     else:
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:
             return None
-        rows, cols = trimmed
-    return Block(rows, cols, False, _mask(q_layout, kv_layout, rows, cols, causal, window))
+        rows, cols, q_meta, k_meta = trimmed
+    return Block(rows, cols, False, _mask(q_meta, k_meta, causal, window))

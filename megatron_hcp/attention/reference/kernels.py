@@ -10,26 +10,29 @@ forward block in :class:`~.blocks.BlockCounter`):
 
 * ``cpu_flash`` - PyTorch's blockwise CPU flash kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward): CPU blocks without
-  mask or bias whose q, k and v share one head dim.
+  bias whose q, k and v share one head dim; a masked block (packed ``thd`` sequences, a sliding
+  window) passes its mask as an additive ``attn_mask`` (0 / ``-inf``).
 * ``cuda_flash`` - FlashAttention-2 through ``aten::_scaled_dot_product_flash_attention`` (and
-  ``..._backward``): CUDA, fp16/bf16, one head dim, a multiple of 8 and <= 256.
+  ``..._backward``): CUDA, fp16/bf16, no mask, one head dim, a multiple of 8 and <= 256.
 * ``cuda_efficient`` - the memory-efficient kernel through
   ``aten::_scaled_dot_product_efficient_attention`` (and ``..._backward``): CUDA fp32 blocks,
-  and fp16/bf16 blocks flash does not take (MLA's ``d_v != d_qk``, head dims > 256); head dims
-  must be multiples of 16 bytes.
+  masked blocks (the mask as an additive ``attn_bias``, its rows 16-element aligned, as torch's
+  SDPA front end lays it out), and fp16/bf16 blocks flash does not take (MLA's
+  ``d_v != d_qk``, head dims > 256); head dims must be multiples of 16 bytes.
 * ``math`` - explicit matmul + softmax in the accumulation dtype, for every other block, with
-  the reason: a mask (packed ``thd`` sequences, sliding windows: no fused kernel here takes a
-  block's boolean mask), a post-scale bias, fp64 on CUDA (the fused CUDA kernels have no fp64),
-  MLA head dims on CPU (the CPU flash kernel needs one head dim), head dims the CUDA kernels
-  cannot align, a causal block that is not square (never planned; the kernels align such
-  masks differently), and CUDA blocks torch itself refuses on this GPU
+  the reason: a post-scale bias (its gradient is needed), fp64 on CUDA (the fused CUDA kernels
+  have no fp64), MLA head dims on CPU (the CPU flash kernel needs one head dim), head dims the
+  CUDA kernels cannot align, a causal block that is not square (never planned; the kernels
+  align such masks differently), and CUDA blocks torch itself refuses on this GPU
   (``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``).
 
 Both CUDA kernels return the LSE of their rows in fp32 (the efficient kernel pads it to a
 multiple of 32 rows with ``+inf``; its backward reads the padding, so it gets it back), as
 torch's own context-parallel attention uses them. Causal blocks are top-left aligned and
-square, where every kernel agrees. Rows with no visible key (padding) give output 0 and LSE
-``-inf``, and no gradient.
+square, where every kernel agrees. Rows with no visible key (padding, a mask row of ``-inf``)
+give output 0 and LSE ``-inf`` whatever the kernel (the fused ones write LSE 0 for such a row;
+it is overwritten), and no gradient: their LSE goes to a fused backward as ``+inf``, which makes
+every probability of the row 0.
 """
 
 from __future__ import annotations
@@ -63,9 +66,6 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
                   q_len: int, kv_len: int, *, causal: bool, masked: bool, biased: bool
                   ) -> KernelChoice:
     """The kernel of a block from its shape alone (the rules of the module docstring)."""
-    if masked:
-        return KernelChoice(MATH, "masked block (packed thd sequences or a sliding window): "
-                                  "no fused kernel here takes a block's boolean mask")
     if biased:
         return KernelChoice(MATH, "post-scale bias")
     if device_type == "cpu":
@@ -83,7 +83,8 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
     if causal and q_len != kv_len:
         return KernelChoice(MATH, f"causal block of {q_len} x {kv_len}: the kernels align a "
                                   "non-square causal mask differently")
-    if dtype in _HALF and head_dim == head_dim_v and head_dim % 8 == 0 and head_dim <= 256:
+    if (dtype in _HALF and not masked and head_dim == head_dim_v and head_dim % 8 == 0
+            and head_dim <= 256):
         return KernelChoice(CUDA_FLASH)
     align = 16 // torch.empty((), dtype=dtype).element_size()
     if head_dim % align == 0 and head_dim_v % align == 0:
@@ -93,15 +94,15 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
 
 
 def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool) -> bool:
+                   causal: bool, mask: torch.Tensor | None = None) -> bool:
     """Whether torch runs ``kernel`` on these CUDA tensors here (GPU arch, build, the user's
-    ``torch.backends.cuda.enable_*_sdp`` switches)."""
+    ``torch.backends.cuda.enable_*_sdp`` switches), with the block's ``mask`` if it has one."""
     from torch.backends import cuda as sdp
 
     try:
-        params = sdp.SDPAParams(q, k, v, None, 0.0, causal, False)
+        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, False)
     except TypeError:  # torch < 2.5: no enable_gqa argument
-        params = sdp.SDPAParams(q, k, v, None, 0.0, causal)
+        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal)
     check = (sdp.can_use_flash_attention if kernel == CUDA_FLASH
              else sdp.can_use_efficient_attention)
     return bool(check(params, False))
@@ -117,7 +118,8 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                            biased=bias is not None)
     if choice.kernel == CUDA_FLASH and not _torch_accepts(CUDA_FLASH, q, k, v, causal):
         choice = KernelChoice(CUDA_EFFICIENT)
-    if choice.kernel == CUDA_EFFICIENT and not _torch_accepts(CUDA_EFFICIENT, q, k, v, causal):
+    if choice.kernel == CUDA_EFFICIENT and not _torch_accepts(CUDA_EFFICIENT, q, k, v, causal,
+                                                              mask):
         return KernelChoice(MATH, "torch refuses its flash and efficient kernels for this "
                                   "block on this GPU (torch.backends.cuda.can_use_*_attention)")
     return choice
@@ -151,7 +153,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _heads_inner(out: torch.Tensor) -> torch.Tensor:
     """``out`` [B,H,S,Dv] with its heads inside its rows in memory ([B,S,H,Dv] order), as the
-    efficient kernel's backward reads it: in fp16/bf16 that kernel computes its row sums from
+    efficient kernel's backward reads it: in every dtype that kernel computes its row sums from
     ``out`` with a row stride of ``H*Dv`` of its own, whatever ``out``'s strides are (torch's
     ``kernel_backward.h``, ``o_strideM``), so an output in [B,H,S,Dv] order would give wrong
     gradients without an error. Copied only when needed (the accumulators are allocated in
@@ -161,24 +163,48 @@ def _heads_inner(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool):
+def _additive(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The boolean block mask [Sq, Sk] as the fused kernels take it: 0 where visible, ``-inf``
+    elsewhere, in q's dtype. On CUDA its rows start 16-element aligned (a view of a padded
+    buffer: the efficient kernel loads bias rows 128 bits at a time and checks only part of
+    that, and torch's SDPA front end pads the mask the same way before calling it) and it is
+    seen as [B, H, Sq, Sk] (the kernel takes a 4-D bias; the expansion copies nothing)."""
+    sq, sk = mask.shape
+    width = -(-sk // 16) * 16 if q.device.type == "cuda" else sk
+    add = torch.full((sq, width), _NEG_INF, dtype=q.dtype, device=q.device)[:, :sk]
+    add.masked_fill_(mask, 0.0)
+    return add if q.device.type != "cuda" else add.expand(q.shape[0], q.shape[1], sq, sk)
+
+
+def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
+                   mask: torch.Tensor | None = None):
+    add = None if mask is None else _additive(mask, q)
     if kernel == CPU_FLASH:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-    if kernel == CUDA_FLASH:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=add, scale=scale)
+    elif kernel == CUDA_FLASH:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]  # drop the +inf padding rows
+    else:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, add, True, 0.0, causal, scale=scale)
+        lse = lse[..., : q.shape[2]]  # drop the +inf padding rows
+    if mask is not None:  # rows the mask hides entirely: both kernels write out 0 and LSE 0
+        # (the CPU one checked by the tests; the efficient one since torch 2.5): LSE -inf
+        lse.masked_fill_(~mask.any(1), _NEG_INF)
+    return out, lse
 
 
-def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool,
+                    mask: torch.Tensor | None = None):
     dout, out = _rows(dout), _rows(out)  # q, k, v: as block_backward made them
+    add = None
+    if mask is not None:  # rows that saw no key (LSE -inf) take LSE +inf: probabilities 0
+        add = _additive(mask, q)
+        lse = torch.nan_to_num(lse, posinf=float("inf"), neginf=float("inf"))
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=add, scale=scale)
     lse = lse.to(torch.float32)
     if kernel == CUDA_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -190,7 +216,7 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: 
                         dtype=torch.float32, device=lse.device)
     padded[..., :sq] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, padded, _no_rng(), _no_rng(), 0.0,
+        dout, q, k, v, add, out, padded, _no_rng(), _no_rng(), 0.0,
         [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
@@ -233,7 +259,7 @@ def block_forward(
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     record_kernel(kernel.kernel, kernel.reason)
     if kernel.kernel != MATH:
-        return _fused_forward(kernel.kernel, q, k, v, scale, causal)
+        return _fused_forward(kernel.kernel, q, k, v, scale, causal, mask)
     acc = acc_dtype(q.dtype)
     s = _math_scores(q.to(acc), k.to(acc), scale, causal, mask, bias)
     lse = torch.logsumexp(s, dim=-1)
@@ -272,7 +298,7 @@ def block_backward(
         kernel = kernel_for(q, ke, ve, causal=causal, mask=mask, bias=bias)
     if kernel.kernel != MATH:
         dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,
-                                     out.to(q.dtype), lse, scale, causal)
+                                     out.to(q.dtype), lse, scale, causal, mask)
         if kv_heads != heads:  # GQA: the query heads' shares are summed in acc's precision
             dk, dv = dk.to(acc), dv.to(acc)
     else:

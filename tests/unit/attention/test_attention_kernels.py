@@ -30,7 +30,9 @@ RULES = [
     (("cpu", F32, 64, 64, 8, 8, True, False, False), CPU_FLASH, ""),
     (("cpu", F64, 8, 8, 8, 4, False, False, False), CPU_FLASH, ""),
     (("cpu", F32, 8, 4, 8, 8, True, False, False), MATH, "MLA head dims (d_qk 8, d_v 4)"),
-    (("cpu", F32, 8, 8, 8, 8, False, True, False), MATH, "masked block"),
+    (("cpu", F32, 8, 8, 8, 8, False, True, False), CPU_FLASH, ""),  # thd / window: a mask
+    (("cpu", F32, 8, 4, 8, 8, False, True, False), MATH, "MLA head dims"),  # masked MLA
+    (("cpu", F32, 8, 8, 8, 8, False, True, True), MATH, "post-scale bias"),
     (("cpu", F32, 8, 8, 8, 8, False, False, True), MATH, "post-scale bias"),
     (("cuda", BF16, 128, 128, 64, 64, True, False, False), CUDA_FLASH, ""),
     (("cuda", F16, 64, 64, 32, 64, False, False, False), CUDA_FLASH, ""),
@@ -39,7 +41,11 @@ RULES = [
     (("cuda", F32, 64, 64, 64, 64, True, False, False), CUDA_EFFICIENT, ""),
     (("cuda", F32, 8, 4, 16, 16, False, False, False), CUDA_EFFICIENT, ""),  # MLA, fp32
     (("cuda", F64, 64, 64, 64, 64, True, False, False), MATH, "torch.float64"),
-    (("cuda", BF16, 64, 64, 64, 64, True, True, False), MATH, "sliding window"),
+    (("cuda", BF16, 64, 64, 64, 64, False, True, False), CUDA_EFFICIENT, ""),  # masked
+    (("cuda", F32, 64, 64, 64, 64, False, True, False), CUDA_EFFICIENT, ""),
+    (("cuda", BF16, 192, 128, 64, 48, False, True, False), CUDA_EFFICIENT, ""),  # masked MLA
+    (("cuda", F64, 64, 64, 64, 64, False, True, False), MATH, "torch.float64"),
+    (("cuda", BF16, 12, 12, 64, 64, False, True, False), MATH, "not multiples of 8"),
     (("cuda", F32, 64, 64, 64, 64, False, False, True), MATH, "post-scale bias"),
     (("cuda", BF16, 64, 64, 32, 64, True, False, False), MATH, "causal block of 32 x 64"),
     (("cuda", BF16, 12, 12, 64, 64, False, False, False), MATH, "not multiples of 8"),
@@ -83,10 +89,10 @@ def kernels_of(fmt="bshd", dtype=F64, dv=8, window=None, bias=False, causal=True
 def test_blocks_take_the_kernel_their_shape_gets():
     assert kernels_of() == {(CPU_FLASH, ""): 1}
     assert kernels_of(dtype=F32, causal=False) == {(CPU_FLASH, ""): 1}
-    [(kernel, why)] = kernels_of(fmt="thd")
-    assert kernel == MATH and "masked block" in why
-    [(kernel, why)] = kernels_of(window=(3, 0))
-    assert kernel == MATH and "sliding window" in why
+    assert kernels_of(fmt="thd") == {(CPU_FLASH, ""): 1}  # the mask goes to the kernel
+    assert kernels_of(window=(3, 0)) == {(CPU_FLASH, ""): 1}
+    [(kernel, why)] = kernels_of(fmt="thd", dv=4)
+    assert kernel == MATH and "MLA head dims" in why
     [(kernel, why)] = kernels_of(dv=4)
     assert kernel == MATH and "MLA head dims" in why
     assert kernels_of(bias=True) == {(MATH, "post-scale bias"): 1}
@@ -107,6 +113,43 @@ def test_cpu_flash_and_math_blocks_agree(dtype, causal):
         res[kernel.kernel] = (out, lse, *grads)
     for a, b in zip(res[CPU_FLASH], res[MATH]):
         assert (a.to(b.dtype) - b).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_masked_blocks_agree_on_the_fused_and_math_kernels(dtype):
+    """A masked block (thd, window) through the CPU flash kernel with an additive mask and
+    through the math path: output, LSE and gradients. A row the mask hides entirely gets out
+    0 and LSE -inf (the kernel itself says LSE 0), and no gradient when the final LSE of a row
+    is -inf (no key anywhere) - also through the fused backward."""
+    gen = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(2, 4, 10, 8, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 7, 8, generator=gen, dtype=dtype) for _ in range(2))
+    mask = torch.rand(10, 7, generator=gen) > 0.4
+    mask[3] = False  # padding: no key for this row
+    mask[6, 1:] = False
+    mask[6, 0] = True
+    res = {}
+    for kernel in (KernelChoice(CPU_FLASH), KernelChoice(MATH, "forced")):
+        out, lse = block_forward(q, k, v, scale=0.3, mask=mask, kernel=kernel)
+        grads = block_backward(dout, q, k, v, out, lse, scale=0.3, mask=mask, kernel=kernel)
+        res[kernel.kernel] = (out, lse, *grads)
+    fused, math = res[CPU_FLASH], res[MATH]
+    assert torch.equal(fused[0][:, :, 3], torch.zeros_like(fused[0][:, :, 3]))
+    assert bool((fused[1][:, :, 3] == float("-inf")).all())
+    assert bool(fused[2][:, :, 3].eq(0).all())  # dq of the hidden row
+    for a, b in zip(fused, math):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=0, atol=TOL[dtype])
+    # a block whose rows all saw keys elsewhere: the final LSE is finite where this block
+    # hides a row; its gradient there is exactly 0 through both kernels
+    final_lse = math[1].clone()
+    final_lse[:, :, 3] = 1.5
+    grads = [block_backward(dout, q, k, v, math[0], final_lse, scale=0.3, mask=mask,
+                            kernel=kernel) for kernel in (KernelChoice(CPU_FLASH),
+                                                          KernelChoice(MATH, "forced"))]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=0, atol=TOL[dtype])
+    assert bool(grads[0][0][:, :, 3].eq(0).all())
 
 
 def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():

@@ -121,7 +121,8 @@ def test_oracle_cases_of_a_two_rank_world(threads):
 @pytest.mark.parametrize("comm", COMMS)
 def test_the_gpu_suites_kernel_check_on_cpu(threads, comm):
     """tests/gpu's fused-kernel check, run here on CPU tensors: the dense blocks take the CPU
-    flash kernel and CP attention is as accurate as one SDPA call (fp32)."""
+    flash kernel (with its mask under a window) and CP attention is as accurate as one SDPA call
+    (fp32)."""
     results = threads.run(kernels_and_errors, comm, torch.float32, "cpu")
     assert {k for kernels, _, _ in results for (k, _why) in kernels} == {CPU_FLASH}
     assert max(e for _, e, _ in results) <= 2 * max(e for _, _, e in results) + 1e-3
@@ -129,3 +130,7 @@ def test_the_gpu_suites_kernel_check_on_cpu(threads, comm):
     mla = threads.run(kernels_and_errors, comm, torch.float32, "cpu", 32)
     assert {k for kernels, _, _ in mla for (k, _why) in kernels} == {MATH}
     assert max(e for _, e, _ in mla) <= 2 * max(e for _, _, e in mla) + 1e-3
+    # its sliding-window variant: masked blocks, the CPU flash kernel with the mask
+    band = threads.run(kernels_and_errors, comm, torch.float32, "cpu", 64, (40, 0))
+    assert {k for kernels, _, _ in band for (k, _why) in kernels} == {CPU_FLASH}
+    assert max(e for _, e, _ in band) <= 2 * max(e for _, _, e in band) + 1e-3
