@@ -127,7 +127,7 @@ def _meta(layout: SeqLayout, sel: Selector) -> Meta:
     return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
 
 
-@lru_cache(maxsize=128)  # three vectors of a half's tokens; a packing needs 2 per position
+@lru_cache(maxsize=64)  # three vectors of a half's tokens; a packing needs 2 per position
 def _half_meta(layout: SeqLayout, which: str) -> Meta:
     """:func:`_meta` of a half of ``layout`` (``"all"``, ``"first"``, ``"second"``), gathered
     once per packing: every block of every layer, forward and backward, reads it."""

@@ -68,6 +68,8 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
     """The kernel of a block from its shape alone (the rules of the module docstring)."""
     if biased:
         return KernelChoice(MATH, "post-scale bias")
+    if q_len == 0 or kv_len == 0:  # torch's CPU flash kernel dies (SIGFPE) on an empty block
+        return KernelChoice(MATH, "empty block")
     if device_type == "cpu":
         if head_dim != head_dim_v:
             return KernelChoice(MATH, f"MLA head dims (d_qk {head_dim}, d_v {head_dim_v}): "
@@ -75,8 +77,6 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
         return KernelChoice(CPU_FLASH)
     if device_type != "cuda":
         return KernelChoice(MATH, f"no fused kernel on device type {device_type!r}")
-    if q_len == 0 or kv_len == 0:
-        return KernelChoice(MATH, "empty block")
     if dtype not in (*_HALF, torch.float32):
         return KernelChoice(MATH, f"{dtype}: the CUDA flash / efficient kernels take fp16, "
                                   "bf16 and fp32")
@@ -176,8 +176,17 @@ def _additive(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return add if q.device.type != "cuda" else add.expand(q.shape[0], q.shape[1], sq, sk)
 
 
+def _with_causal(mask: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
+    """A mask with the causal triangle folded in (the kernel then runs without its own causal
+    flag), so that the rows the mask hides are exactly the rows that see no key."""
+    if mask is None or not causal:
+        return mask, causal
+    return mask & torch.ones_like(mask).tril(), False
+
+
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
                    mask: torch.Tensor | None = None):
+    mask, causal = _with_causal(mask, causal)
     add = None if mask is None else _additive(mask, q)
     if kernel == CPU_FLASH:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -198,10 +207,11 @@ def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
 def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool,
                     mask: torch.Tensor | None = None):
     dout, out = _rows(dout), _rows(out)  # q, k, v: as block_backward made them
+    mask, causal = _with_causal(mask, causal)
     add = None
     if mask is not None:  # rows that saw no key (LSE -inf) take LSE +inf: probabilities 0
         add = _additive(mask, q)
-        lse = torch.nan_to_num(lse, posinf=float("inf"), neginf=float("inf"))
+        lse = torch.where(lse.isneginf(), float("inf"), lse)  # a NaN stays NaN
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=add, scale=scale)

@@ -33,6 +33,8 @@ RULES = [
     (("cpu", F32, 8, 8, 8, 8, False, True, False), CPU_FLASH, ""),  # thd / window: a mask
     (("cpu", F32, 8, 4, 8, 8, False, True, False), MATH, "MLA head dims"),  # masked MLA
     (("cpu", F32, 8, 8, 8, 8, False, True, True), MATH, "post-scale bias"),
+    (("cpu", F32, 8, 8, 0, 8, False, True, False), MATH, "empty block"),  # CPU flash: SIGFPE
+    (("cpu", F64, 8, 8, 8, 0, False, False, False), MATH, "empty block"),
     (("cpu", F32, 8, 8, 8, 8, False, False, True), MATH, "post-scale bias"),
     (("cuda", BF16, 128, 128, 64, 64, True, False, False), CUDA_FLASH, ""),
     (("cuda", F16, 64, 64, 32, 64, False, False, False), CUDA_FLASH, ""),
@@ -150,6 +152,37 @@ def test_masked_blocks_agree_on_the_fused_and_math_kernels(dtype):
     for a, b in zip(*grads):
         torch.testing.assert_close(a.to(b.dtype), b, rtol=0, atol=TOL[dtype])
     assert bool(grads[0][0][:, :, 3].eq(0).all())
+
+
+def test_a_mask_with_a_causal_block_hides_what_both_hide():
+    """block_forward with a mask and causal=True (the planner never builds one; the function
+    is public): a row the mask leaves visible only above the diagonal sees no key - LSE -inf
+    and out 0 through the fused kernel as through the math path."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 2, 6, 8, generator=gen, dtype=F64) for _ in range(4))
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2, :3] = False  # row 2 keeps keys 3.. only: causal hides those
+    res = []
+    for kernel in (KernelChoice(CPU_FLASH), KernelChoice(MATH, "forced")):
+        out, lse = block_forward(q, k, v, scale=0.3, causal=True, mask=mask, kernel=kernel)
+        res.append((out, lse, *block_backward(dout, q, k, v, out, lse, scale=0.3,
+                                              causal=True, mask=mask, kernel=kernel)))
+    assert bool((res[0][1][:, :, 2] == float("-inf")).all())
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL[F64])
+
+
+def test_an_empty_packing_runs_without_a_fused_kernel():
+    """Packed sequences of length 0 give empty blocks: they take the math path (torch's CPU
+    flash kernel kills the process on them) and give an empty output and gradients."""
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    q, k, v = (torch.zeros(0, 2, 8, dtype=F64, requires_grad=True) for _ in range(3))
+    with BlockCounter() as counter:
+        out = local_attention(q, k, v, causal=True, qkv_format="thd", cu_seqlens_q=cu,
+                              cu_seqlens_q_padded=cu)
+    out.sum().backward()
+    assert out.shape == (0, 2, 8) and q.grad.shape == q.shape
+    assert {kernel for kernel, _why in counter.kernels} <= {MATH}
 
 
 def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
