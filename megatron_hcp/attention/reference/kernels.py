@@ -211,7 +211,8 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: 
     add = None
     if mask is not None:  # rows that saw no key (LSE -inf) take LSE +inf: probabilities 0
         add = _additive(mask, q)
-        lse = torch.where(lse.isneginf(), float("inf"), lse)  # a NaN stays NaN
+        inf = float("inf")  # one op; a NaN stays NaN
+        lse = torch.nan_to_num(lse, nan=float("nan"), posinf=inf, neginf=inf)
     if kernel == CPU_FLASH:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=add, scale=scale)

@@ -172,6 +172,19 @@ def test_a_mask_with_a_causal_block_hides_what_both_hide():
         torch.testing.assert_close(a, b, rtol=0, atol=TOL[F64])
 
 
+def test_a_nan_lse_is_not_hidden_by_the_masked_fused_backward():
+    """The fused backward turns a hidden row's LSE -inf into +inf; a NaN (a bug upstream)
+    stays NaN and shows in the gradients, as on the math path."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, 2, 4, 8, generator=gen, dtype=F64) for _ in range(4))
+    lse = torch.zeros(1, 2, 4, dtype=F64)
+    lse[0, 0, 1] = float("nan")
+    for kernel in (KernelChoice(CPU_FLASH), KernelChoice(MATH, "forced")):
+        dq, *_ = block_backward(dout, q, k, v, q, lse, scale=0.3,
+                                mask=torch.ones(4, 4, dtype=torch.bool), kernel=kernel)
+        assert bool(dq[0, 0, 1].isnan().any()), kernel
+
+
 def test_an_empty_packing_runs_without_a_fused_kernel():
     """Packed sequences of length 0 give empty blocks: they take the math path (torch's CPU
     flash kernel kills the process on them) and give an empty output and gradients."""
