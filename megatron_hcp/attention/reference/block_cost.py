@@ -11,9 +11,12 @@ is one SDPA forward + backward on the whole sequence (causal, the same dtype; to
 kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio`` = replay /
 baseline; the issue's goal is <= 1.15.
 
-Dense (``bshd``/``sbhd``) layouts only: packed ``thd`` blocks and windows are masked blocks
-(:mod:`.kernels`: the fused kernels with an additive mask), whose one-call baseline on the whole
-sequence would need a windowed / varlen kernel this replay does not call.
+A sliding window makes the blocks masked (the fused kernels with an additive mask, those the
+window sees nothing of skipped); its baseline is one SDPA call with the window as an S x S mask,
+which torch runs on its efficient kernel (flash takes no mask): up to
+``MAX_WINDOW_BASELINE`` tokens. Flash's own window (varlen ``window_size``) would be a faster
+baseline; it is not called here. One dense sequence only: packed ``thd`` batches are not
+replayed.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .blocks import BlockCounter, plan_block, take
-from .kernels import acc_dtype, block_backward, block_forward, merge_into
+from .blocks import BlockCounter, Window, plan_block
+from .functions import _backward_block, _forward_block
+from .kernels import acc_dtype
 from .seq_layout import SeqLayout
 
-__all__ = ["BlockCost", "measure_block_cost", "rank_block_pass"]
+__all__ = ["BlockCost", "band_mask", "measure_block_cost", "rank_block_pass"]
+
+# the largest sequence whose one-call windowed baseline (an S x S mask) is measured
+MAX_WINDOW_BASELINE = 65536
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,15 @@ def _local(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 
 def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    cp: int, rank: int, *, causal: bool = True,
-                    scale: float | None = None) -> tuple[torch.Tensor, ...]:
+                    cp: int, rank: int, *, causal: bool = True, scale: float | None = None,
+                    window: Window = None) -> tuple[torch.Tensor, ...]:
     """Forward + backward of rank ``rank``'s CP blocks from global [B,H,S,D] tensors (K/V of
-    every source already at hand); returns (out, dq, dk of every source, dv of every
-    source) - the rank's output and its gradient contributions, in the accumulation dtype."""
+    every source already at hand; a sliding ``window``: masked blocks, those it sees nothing
+    of skipped); returns (out, dq, dk of every source, dv of every source) - the rank's output
+    and its gradient contributions, in the accumulation dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     acc = acc_dtype(q.dtype)
-    layout = SeqLayout.dense(q.shape[2] // cp, cp, rank)
+    layout = SeqLayout.dense(q.shape[2] // cp, cp, rank, device=str(q.device))
     q_r, dout_r = _local(q, cp, rank), _local(dout, cp, rank)
     kv = [(_local(k, cp, s), _local(v, cp, s)) for s in range(cp)]
     b, h, n, _ = q_r.shape
@@ -69,26 +77,30 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     out = torch.zeros(b, n, h, v.shape[-1], dtype=acc, device=q.device).permute(0, 2, 1, 3)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     order = [(rank - step) % cp for step in range(cp)]  # ring order
-    blocks = [(src, plan_block(layout, layout.at(cp, src), causal)) for src in order]
+    blocks = [(src, plan_block(layout, layout.at(cp, src), causal, window)) for src in order]
+    blocks = [(src, block) for src, block in blocks if block is not None]
     for step, (src, block) in enumerate(blocks):
-        kj, vj = kv[src]
-        ob, lb = block_forward(take(q_r, block.rows), take(kj, block.cols),
-                               take(vj, block.cols), scale=scale, causal=block.causal)
-        merge_into(out, lse, block.rows, ob, lb, first=step == 0, empty_rows=False)
+        _forward_block(q_r, *kv[src], block, scale, out, lse, first=step == 0)
     final = out.to(q.dtype)
     dq = torch.zeros(q_r.shape, dtype=acc, device=q.device)
     dk = [torch.zeros(kj.shape, dtype=acc, device=q.device) for kj, _ in kv]
     dv = [torch.zeros(vj.shape, dtype=acc, device=q.device) for _, vj in kv]
     for src, block in blocks:
-        kj, vj = kv[src]
-        gq, gk, gv = block_backward(
-            take(dout_r, block.rows), take(q_r, block.rows), take(kj, block.cols),
-            take(vj, block.cols), take(final, block.rows), take(lse, block.rows),
-            scale=scale, causal=block.causal)
-        dq[:, :, block.rows].add_(gq)
-        dk[src][:, :, block.cols].add_(gk)
-        dv[src][:, :, block.cols].add_(gv)
+        _backward_block(dout_r, q_r, *kv[src], final, lse, block, scale, dq, dk[src], dv[src])
     return (out, dq, *dk, *dv)
+
+
+def band_mask(seq: int, causal: bool, window: Window, device: torch.device) -> torch.Tensor:
+    """The [S, S] visible pairs of one sequence under ``causal`` and ``window`` (the one-call
+    baseline's mask)."""
+    gap = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)
+    visible = gap >= 0 if causal else torch.ones_like(gap, dtype=torch.bool)
+    left, right = window if window is not None else (-1, -1)
+    if left >= 0:
+        visible &= gap <= left
+    if right >= 0:
+        visible &= -gap <= right
+    return visible
 
 
 def _sync(device: torch.device) -> None:
@@ -111,10 +123,15 @@ def _best(fn, repeats: int, device: torch.device) -> float:
 def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int,
                        dtype: torch.dtype, device: str | torch.device, batch: int = 1,
                        causal: bool = True, repeats: int = 3, seed: int = 0,
-                       dim_v: int | None = None) -> BlockCost:
+                       dim_v: int | None = None, window: Window = None) -> BlockCost:
     """Time every rank's blocks (summed) and one SDPA call on the same causal problem
-    (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA)."""
+    (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
+    ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
+    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens)."""
     device = torch.device(device)
+    if window is not None and seq > MAX_WINDOW_BASELINE:
+        raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "
+                         f"mask is too large; use seq <= {MAX_WINDOW_BASELINE}")
     if seq % (2 * cp):
         raise ValueError(f"seq={seq}: must be a multiple of 2*cp={2 * cp} (two chunks per rank)")
     if heads % kv_heads:
@@ -129,7 +146,7 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
 
     def replay():
         for rank in range(cp):
-            rank_block_pass(q, k, v, dout, cp, rank, causal=causal)
+            rank_block_pass(q, k, v, dout, cp, rank, causal=causal, window=window)
 
     # torch's flash kernel (its efficient one where flash cannot run: fp32, MLA head dims; on
     # the CPU, where neither takes MLA head dims, the math one)
@@ -137,11 +154,14 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
     if device.type != "cuda":
         backends.append(SDPBackend.MATH)
 
+    band = None if window is None else band_mask(seq, causal, window, device)
+
     def sdpa():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         with sdpa_kernel(backends):
             out = torch.nn.functional.scaled_dot_product_attention(
-                qq, kk, vv, is_causal=causal, enable_gqa=kv_heads != heads)
+                qq, kk, vv, attn_mask=band, is_causal=causal and band is None,
+                enable_gqa=kv_heads != heads)
         out.backward(dout)
 
     with torch.no_grad():

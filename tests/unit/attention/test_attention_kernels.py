@@ -205,21 +205,29 @@ def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
     assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
 
 
+@pytest.mark.parametrize("window", [None, (5, 0), (2, 3)])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_block_replay_does_the_work_of_cp_attention(cp):
-    """The speed benchmark's replay (every rank's blocks, no communication) computes the
-    oracle's output and gradients: what it times is the whole attention, once."""
+def test_block_replay_does_the_work_of_cp_attention(cp, window):
+    """The speed benchmark's replay (every rank's blocks, no communication; with a window its
+    masked blocks, some skipped) computes the oracle's output and gradients: what it times is
+    the whole attention, once; its baseline's band mask is the oracle's."""
+    from megatron_hcp.attention.reference.block_cost import band_mask
+
     gen = torch.Generator().manual_seed(cp)
     q, dout = (torch.randn(2, 4, 16, 8, generator=gen, dtype=F64) for _ in range(2))
     k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=F64) for _ in range(2))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True,
-                                                           enable_gqa=True)
+    ref = full_attention(*(x.transpose(1, 2) for x in ref_in), causal=True, qkv_format="bshd",
+                         window_size=window).transpose(1, 2)
     ref.backward(dout)
+    band = band_mask(16, True, window, torch.device("cpu"))
+    one = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(one, ref.detach(), rtol=0, atol=1e-12)
     outs, dqs = [], []
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
-        out, dq, *rest = rank_block_pass(q, k, v, dout, cp, rank)
+        out, dq, *rest = rank_block_pass(q, k, v, dout, cp, rank, window=window)
         outs.append(out)
         dqs.append(dq)
         c = k.shape[2] // (2 * cp)
@@ -300,17 +308,24 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     (MHA, GQA, MLA head dims), sequence length and CP size that cuts it, with the verdict
     against issue #34's goal (1.10x at CP <= 8, 1.25x at CP 16)."""
     from benchmarks.attention import goal, gpu_block_table
+    from megatron_hcp.attention.reference.block_cost import MAX_WINDOW_BASELINE
 
-    problems = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8)}
+    problems = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8),
+                "window": (4, 4, 8, 8, 5)}
     lines = gpu_block_table([64, 48], problems, "fp32", [2, 4, 16], 1, device="cpu")
     rows = lines[3:]
-    assert len(rows) == 3 * 5 and lines[0].startswith("CPU, torch"), lines  # 48: no CP16
-    assert [r.split()[0] for r in rows] == ["mha"] * 5 + ["gqa"] * 5 + ["mla"] * 5
+    assert len(rows) == 4 * 5 and lines[0].startswith("CPU, torch"), lines  # 48: no CP16
+    assert [r.split()[0] for r in rows] == ["mha"] * 5 + ["gqa"] * 5 + ["mla"] * 5 + [
+        "window"] * 5
+    assert "w5" in rows[-1] and "cpu_flash" in rows[-1]  # masked blocks, the fused kernel
     assert [r.split()[3:5] for r in rows[:5]] == [["64", "2"], ["64", "4"], ["64", "16"],
                                                   ["48", "2"], ["48", "4"]]
     assert all(r.split()[9] in ("met", "missed") for r in rows), rows
-    assert "math (MLA head dims" in rows[-1] and "cpu_flash" in rows[0]
+    assert "math (MLA head dims" in rows[14] and "cpu_flash" in rows[0]
     assert (goal(8), goal(16)) == (1.10, 1.25)
+    too_long = gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)}, "fp32",
+                               [2], 1, device="cpu")
+    assert len(too_long) == 4 and too_long[-1].startswith("not measured: window at S=131072")
 
 
 def test_the_efficient_backward_gets_the_output_with_heads_inside_rows():
