@@ -31,8 +31,14 @@ import torch.distributed as dist
 
 from ...config import CP_COMM_TYPES
 from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
-from .functions import AllGatherAttention, RingAttention, UlyssesAllToAll
-from .seq_layout import CPAttentionError, SeqLayout, a2a_gather_permutation, check_cu_seqlens
+from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
+from .seq_layout import (
+    CPAttentionError,
+    SeqLayout,
+    a2a_gather_permutation,
+    check_cu_seqlens,
+    half_grouping,
+)
 
 __all__ = ["check_window", "context_parallel_attention", "local_attention"]
 
@@ -219,11 +225,24 @@ def _scatter_rows(t: torch.Tensor, *, index: torch.Tensor, rows: int) -> torch.T
 
 
 @functools.lru_cache(maxsize=16)
-def _a2a_permutations(layout: SeqLayout, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _a2a_permutations(layout: SeqLayout, a: int, grouped: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The a2a gather permutation of ``layout`` and its inverse, on the layout's device: built
     once per packing, not per call (every layer of a step and its backward share them; on a
-    GPU each build is host work and a copy to the device)."""
-    perm = a2a_gather_permutation(layout, a).to(layout.device)
+    GPU each build is host work and a copy to the device). ``grouped``: followed by the
+    half grouping of the layout one level up (one gather does both)."""
+    perm = a2a_gather_permutation(layout, a)
+    if grouped:
+        perm = perm[half_grouping(layout.padded, layout.cp // a)]
+    perm = perm.to(layout.device)
+    return perm, torch.argsort(perm)
+
+
+@functools.lru_cache(maxsize=16)
+def _grouping(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.seq_layout.half_grouping` of ``layout`` and its inverse, on its device, once
+    per packing."""
+    perm = half_grouping(layout.padded, layout.cp).to(layout.device)
     return perm, torch.argsort(perm)
 
 
@@ -329,15 +348,24 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         layout = SeqLayout.dense(qh.shape[2], n, flat, mode, str(q.device))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
+    # packed zigzag sequences: the attention holds the tokens with the halves grouped (every
+    # block then takes slices, not gathered rows), ordered so once on the way in and back once
+    # on the way out - inside the a2a's own gather where there is one
+    grouped = layout.at(p, flat // a).groupable
     if a > 1:
         if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
             reps = a // kh.shape[1]
             kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
-        perm, inv = _a2a_permutations(layout, a)
+        perm, inv = _a2a_permutations(layout, a, grouped)
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index
             sink = sink.view(a, -1)[dist.get_rank(a2a_group)]
+    elif grouped:
+        order, back = _grouping(layout)
+        qh, kh, vh = (TokenOrder.apply(t, order, back) for t in (qh, kh, vh))
+    if grouped:
+        layout = layout.with_grouped_halves()
     if cp_comm_type == "all_gather":
         out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale, window,
                                        sink)
@@ -347,4 +375,6 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                                   sink, attention_bias)
     if a > 1:
         out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
+    elif grouped:
+        out = TokenOrder.apply(out, back, order)
     return _from_bhsd(out, qkv_format)

@@ -24,7 +24,7 @@ from .blocks import Block, Window, plan_block, record_block, take
 from .kernels import acc_dtype, block_backward, block_forward, merge_into
 from .seq_layout import SeqLayout
 
-__all__ = ["AllGatherAttention", "RingAttention", "UlyssesAllToAll"]
+__all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -388,3 +388,17 @@ class UlyssesAllToAll(torch.autograd.Function):
         back = _heads_to_seq(grad, group, inv_perm) if to_heads else _seq_to_heads(
             grad, group, perm)
         return back, None, None, None, None
+
+
+class TokenOrder(torch.autograd.Function):
+    """Tokens (dim 2 of [B, H, S, D]) taken in the order ``perm``; the backward takes the
+    gradient back with ``inv`` (its inverse): one gather each way."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.inv = inv
+        return x.index_select(2, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(2, ctx.inv), None, None

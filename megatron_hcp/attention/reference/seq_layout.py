@@ -17,7 +17,8 @@ from ...sharding import (
     seq_lengths,
 )
 
-__all__ = ["CPAttentionError", "SeqLayout", "a2a_gather_permutation", "check_cu_seqlens"]
+__all__ = ["CPAttentionError", "SeqLayout", "a2a_gather_permutation", "check_cu_seqlens",
+           "half_grouping"]
 
 # bad input to CP attention, raised before any collective starts: the sharding error (one class,
 # so callers catch attention and sharding input errors alike)
@@ -60,9 +61,10 @@ def check_cu_seqlens(
 
 @lru_cache(maxsize=256)
 def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int,
-                 mode: str) -> tuple[torch.Tensor, ...]:
+                 mode: str, grouped: bool = False) -> tuple[torch.Tensor, ...]:
     """Per-token sequence id, position, validity and the two halves' token indices (the
-    contiguous layout has one piece per sequence: all of it is the "first half")."""
+    contiguous layout has one piece per sequence: all of it is the "first half"); ``grouped``:
+    the tokens in :func:`half_grouping` order (every first half, then every second half)."""
     seq_ids, positions, first, second = [], [], [], []
     offset = 0
     unit = layout_unit(cp, mode)
@@ -82,15 +84,37 @@ def _layout_meta(padded: tuple[int, ...], real: tuple[int, ...], cp: int, positi
 
     seq_id, pos = cat(seq_ids), cat(positions)
     length = torch.tensor(real)[seq_id] if len(seq_id) else seq_id
-    return seq_id, pos, pos < length, cat(first), cat(second)
+    first, second = cat(first), cat(second)
+    if grouped:  # the same tokens, first halves then second halves: halves are slices
+        order = torch.cat([first, second])
+        seq_id, pos = seq_id[order], pos[order]
+        length = length[order] if len(length) else length
+        first, second = torch.arange(len(first)), torch.arange(len(first), len(order))
+    return seq_id, pos, pos < length, first, second
+
+
+def half_grouping(padded: tuple[int, ...], cp: int) -> torch.Tensor:
+    """The local token order of packed zigzag sequences with the halves grouped: the first
+    half of every sequence, then the second half of every sequence (indices into the usual
+    order: sequence by sequence, each its first then its second half). The same on every CP
+    position (each holds ``padded[i] / (2 cp)`` tokens of each half of sequence ``i``), so K/V
+    that travel between positions keep it."""
+    first, second, offset = [], [], 0
+    for p in padded:
+        c = p // (2 * cp)
+        first.append(torch.arange(offset, offset + c))
+        second.append(torch.arange(offset + c, offset + 2 * c))
+        offset += 2 * c
+    parts = first + second
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 @lru_cache(maxsize=64)  # a packing needs cp entries a rank; packings change every micro-batch
 def _layout_meta_on(padded: tuple[int, ...], real: tuple[int, ...], cp: int, position: int,
-                    mode: str, device: str) -> tuple[torch.Tensor, ...]:
+                    mode: str, device: str, grouped: bool) -> tuple[torch.Tensor, ...]:
     """:func:`_layout_meta` on ``device``, moved there once per layout (every block of every
     layer, forward and backward, reads it: no copy to the device per block)."""
-    meta = _layout_meta(padded, real, cp, position, mode)
+    meta = _layout_meta(padded, real, cp, position, mode, grouped)
     return meta if device == "cpu" else tuple(t.to(device) for t in meta)
 
 
@@ -101,7 +125,9 @@ class SeqLayout:
     ``padded[i]`` / ``real[i]``: padded and real length of sequence i; ``cp``/``position``:
     the chunking and which CP position this layout describes; ``mode``: the partition layout;
     ``device``: where its per-token metadata (and the masks and indices built from it) live -
-    the device of the attention's tensors.
+    the device of the attention's tensors; ``grouped``: packed zigzag tokens in
+    :func:`half_grouping` order, so that each half is a slice (the attention's own order:
+    blocks take slices, not gathered rows).
     Zigzag (``2*cp`` chunks): local tokens of sequence i are its first half (chunk
     ``position``) then its second half (chunk ``2*cp-1-position``); contiguous (``cp``
     slices): slice ``position``. Sequences one after another.
@@ -113,9 +139,20 @@ class SeqLayout:
     position: int
     mode: str = DEFAULT_CP_PARTITION_MODE
     device: str = "cpu"
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         check_partition_mode(self.mode)
+
+    @property
+    def groupable(self) -> bool:
+        """Whether grouping the halves makes them slices (packed zigzag chunks at CP > 1)."""
+        return not self.grouped and not self.contiguous and not self.is_dense and self.cp > 1
+
+    def with_grouped_halves(self) -> SeqLayout:
+        """This layout with its tokens in :func:`half_grouping` order."""
+        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode, self.device,
+                         True)
 
     @classmethod
     def dense(cls, seq_len_local: int, cp: int, position: int,
@@ -141,17 +178,19 @@ class SeqLayout:
         return self.mode == "contiguous"
 
     def at(self, cp: int, position: int) -> SeqLayout:
-        return SeqLayout(self.padded, self.real, cp, position, self.mode, self.device)
+        return SeqLayout(self.padded, self.real, cp, position, self.mode, self.device,
+                         self.grouped)
 
     def on_host(self) -> SeqLayout:
         """This layout with its metadata on the CPU (planning that reads values)."""
-        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode)
+        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode, "cpu",
+                         self.grouped)
 
     @property
     def _meta(self) -> tuple[torch.Tensor, ...]:
         # every ring step asks for another position's layout: compute each one once
         return _layout_meta_on(self.padded, self.real, self.cp, self.position, self.mode,
-                               self.device)
+                               self.device, self.grouped)
 
     @property
     def seq_id(self) -> torch.Tensor:
@@ -172,7 +211,7 @@ class SeqLayout:
             return slice(0, n)
         if self.contiguous:
             raise ValueError("the contiguous layout has no halves")
-        if self.is_dense:
+        if self.is_dense or self.grouped:
             return slice(0, n // 2) if which == "first" else slice(n // 2, n)
         return self._meta[3] if which == "first" else self._meta[4]
 
@@ -186,6 +225,9 @@ def a2a_gather_permutation(layout: SeqLayout, a2a_size: int) -> torch.Tensor:
     i = a-1..0 (chunks ``P*a .. P*a+a-1`` and their mirror images, in increasing order).
     Contiguous: per sequence, the slices of i = 0..a-1 (slice ``P`` of ``cp/a``).
     """
+    if layout.grouped:
+        raise ValueError("a2a_gather_permutation takes the layout as the ranks hold it, not "
+                         "one with grouped halves")
     local = layout.local_tokens
     out = []
     offset = 0

@@ -344,3 +344,40 @@ def test_the_efficient_backward_gets_the_output_with_heads_inside_rows():
         out[:, :, 3:].data_ptr())
     one_head = torch.randn(2, 1, 6, 8)
     assert _heads_inner(one_head) is one_head
+
+
+def test_grouped_halves_are_the_same_tokens_as_slices():
+    """Packed zigzag tokens with their halves grouped (the attention's own order): the same
+    per-token metadata, permuted by half_grouping; each half a slice; the same order on every
+    CP position, so travelling K/V keep it; every block sees the same (query, key) pairs."""
+    from megatron_hcp.attention.reference.blocks import plan_block
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout, half_grouping
+
+    padded, real, cp = (8, 16, 0, 24), (5, 16, 0, 20), 4  # chunks of 1, 2, 0 and 3 tokens
+    order = half_grouping(padded, cp)
+    assert order.tolist() == [0, 2, 3, 6, 7, 8, 1, 4, 5, 9, 10, 11]
+
+    def pairs(block, to_token):
+        rows, cols = (torch.arange(12)[s] if isinstance(s, slice) else s
+                      for s in (block.rows, block.cols))
+        mask = block.mask if block.mask is not None else torch.ones(
+            len(rows), len(cols), dtype=torch.bool).tril(0 if block.causal else 12)
+        return {(int(to_token[rows[i]]), int(to_token[cols[j]]))
+                for i, j in mask.nonzero().tolist()}
+
+    for position in range(cp):
+        plain = SeqLayout(padded, real, cp, position)
+        assert plain.groupable and not SeqLayout.dense(8, cp, position).groupable
+        grouped = plain.with_grouped_halves()
+        assert not grouped.groupable and grouped.at(cp, 1).grouped
+        for a, b in ((grouped.seq_id, plain.seq_id), (grouped.pos, plain.pos),
+                     (grouped.valid, plain.valid)):
+            assert torch.equal(a, b[order])
+        assert grouped.half("first") == slice(0, 6) and grouped.half("second") == slice(6, 12)
+        for src in range(cp):
+            for window in (None, (3, 0)):
+                want = plan_block(plain, plain.at(cp, src), True, window)
+                got = plan_block(grouped, grouped.at(cp, src), True, window)
+                assert (want is None) == (got is None)
+                if want is not None:  # the same pairs, named by their plain token index
+                    assert pairs(got, order) == pairs(want, torch.arange(12)), (position, src)
