@@ -390,15 +390,22 @@ class UlyssesAllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
+def _tokens_in_order(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, S, D] with its tokens in the order ``perm``, laid out [B, S, H, D] in
+    memory (heads inside the rows), as megatron's bshd / thd tensors and the CP output are: the
+    output's reshape back to [t, h*d] stays a view."""
+    return x.transpose(1, 2).index_select(1, perm).transpose(1, 2)
+
+
 class TokenOrder(torch.autograd.Function):
     """Tokens (dim 2 of [B, H, S, D]) taken in the order ``perm``; the backward takes the
-    gradient back with ``inv`` (its inverse): one gather each way."""
+    gradient back with ``inv`` (its inverse): one gather each way, heads inside the rows."""
 
     @staticmethod
     def forward(ctx, x, perm, inv):
         ctx.inv = inv
-        return x.index_select(2, perm)
+        return _tokens_in_order(x, perm)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(2, ctx.inv), None, None
+        return _tokens_in_order(grad, ctx.inv), None, None
