@@ -4,7 +4,7 @@ validation of packed-sequence metadata, and the a2a re-ordering; which tokens a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -151,8 +151,7 @@ class SeqLayout:
 
     def with_grouped_halves(self) -> SeqLayout:
         """This layout with its tokens in :func:`half_grouping` order."""
-        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode, self.device,
-                         True)
+        return replace(self, grouped=True)
 
     @classmethod
     def dense(cls, seq_len_local: int, cp: int, position: int,
@@ -178,13 +177,11 @@ class SeqLayout:
         return self.mode == "contiguous"
 
     def at(self, cp: int, position: int) -> SeqLayout:
-        return SeqLayout(self.padded, self.real, cp, position, self.mode, self.device,
-                         self.grouped)
+        return replace(self, cp=cp, position=position)
 
     def on_host(self) -> SeqLayout:
         """This layout with its metadata on the CPU (planning that reads values)."""
-        return SeqLayout(self.padded, self.real, self.cp, self.position, self.mode, "cpu",
-                         self.grouped)
+        return replace(self, device="cpu")
 
     @property
     def _meta(self) -> tuple[torch.Tensor, ...]:
