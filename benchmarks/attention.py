@@ -42,9 +42,12 @@ prints which kernel the blocks took (``cuda_flash`` / ``cuda_efficient``, or ``m
 reason). The ``window`` problem (16 heads of 128, causal window of 4096 tokens) replays masked
 blocks (the efficient kernel with the mask as its bias) against one SDPA call with the window as
 an S x S mask (the efficient kernel too; flash's own window, varlen ``window_size``, is not
-called), up to S = 64K.
+called), up to S = 64K. Every row is timed twice in the same run, with the eager LSE merge
+and with the fused one (``--merges off auto``: ``MEGATRON_HCP_FUSED_MERGE`` modes; ``auto``
+fuses where Triton runs), against the same SDPA time; the verdict is the second's.
 ``.venv/bin/python benchmarks/attention.py --device cuda [--seqs 32768 65536 131072
---problems mha gqa mla --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16]``
+--problems mha gqa mla window --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16
+--merges off auto]``
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
+from megatron_hcp.attention.reference.merge import MERGE_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
@@ -279,18 +283,23 @@ PROBLEMS = {"mha": None, "gqa": (32, 8, 128, 128), "mla": (16, 16, 192, 128),
 
 
 def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
-                    dtype: str, cps: list[int], repeats: int, device: str = "cuda"
-                    ) -> list[str]:
+                    dtype: str, cps: list[int], repeats: int, device: str = "cuda",
+                    merges: tuple[str, str] = ("off", "auto")) -> list[str]:
     """Lines of the --device cuda table (one GPU; ``device="cpu"`` runs the same table small,
     in the tests): per problem, sequence length and CP size, the blocks' time summed over the
-    ranks against one SDPA call, and the kernels the blocks took; a CP size that does not cut
-    a sequence into 2*CP chunks is left out, and so is a windowed sequence longer than the
+    ranks with each of the two ``merges`` (``MEGATRON_HCP_FUSED_MERGE`` modes: before and
+    after the fused LSE merge, in the same run) against one SDPA call, the verdict of the
+    second, the kernels the blocks took and the paths the merges took; a CP size that does not
+    cut a sequence into 2*CP chunks is left out, and so is a windowed sequence longer than the
     one-call baseline's mask allows (``MAX_WINDOW_BASELINE``, said in a line)."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    before, after = merges
     lines = [f"{name}, torch {torch.__version__}, {dtype}, causal, batch 1; forward + backward, "
-             f"best of {repeats}; goal: <= 1.10x at CP <= 8, <= 1.25x at CP 16"]
-    header = (f"{'problem':<22} {'S':>6} {'CP':>3} {'blocks/rank':>11} {'CP blocks ms':>13} "
-              f"{'SDPA ms':>9} {'ratio':>7} {'goal':>7}  kernels (forward calls)")
+             f"best of {repeats}; merge {before} | {after} (MEGATRON_HCP_FUSED_MERGE); goal "
+             f"(merge {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16"]
+    header = (f"{'problem':<22} {'S':>6} {'CP':>3} {'blocks/rank':>11} {'ms ' + before:>10} "
+              f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8} "
+              f"{'goal':>7}  kernels (forward calls); merges ({after})")
     lines += [header, "-" * len(header)]
     skipped = []
     for label, (h, hkv, d, dv, *left) in problems.items():
@@ -302,16 +311,20 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                 skipped.append(f"{label} at S={s}")
                 continue
             for cp in (c for c in cps if s % (2 * c) == 0):
-                cost = measure_block_cost(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv,
-                                          cp=cp, dtype=DTYPES[dtype], device=device,
-                                          repeats=repeats, window=window)
+                problem = dict(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv, cp=cp,
+                               dtype=DTYPES[dtype], device=device, repeats=repeats,
+                               window=window)
+                old = measure_block_cost(**problem, merge=before)
+                new = measure_block_cost(**problem, merge=after, sdpa_s=old.sdpa_s)
                 kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
-                                    for (k, why), n in sorted(cost.kernels.items()))
-                verdict = "met" if cost.ratio <= goal(cp) else "missed"
+                                    for (k, why), n in sorted(new.kernels.items()))
+                paths = ", ".join(f"{path} {n}" for path, n in sorted(new.merges.items()))
+                verdict = "met" if new.ratio <= goal(cp) else "missed"
                 size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-                lines.append(f"{what:<22} {size:>6} {cp:>3} {cost.blocks_per_rank:>11} "
-                             f"{cost.blocks_s * 1e3:>13.2f} {cost.sdpa_s * 1e3:>9.2f} "
-                             f"{cost.ratio:>6.2f}x {verdict:>7}  {kernels}")
+                lines.append(f"{what:<22} {size:>6} {cp:>3} {new.blocks_per_rank:>11} "
+                             f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
+                             f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x "
+                             f"{verdict:>7}  {kernels}; {paths or 'none'}")
     if skipped:
         lines.append(f"not measured: {', '.join(skipped)} (a window's one-call baseline takes an "
                      f"S x S mask: S <= {MAX_WINDOW_BASELINE})")
@@ -360,6 +373,10 @@ def main() -> None:
                         help="cuda only: mha (--heads, --dim), gqa (32 heads, 8 KV heads, "
                         "d 128), mla (16 heads, d_qk 192, d_v 128), window (16 heads, d 128, "
                         "causal window of 4096 tokens; S <= 65536)")
+    parser.add_argument("--merges", nargs=2, choices=MERGE_MODES, default=["off", "auto"],
+                        metavar="MODE", help="cuda only: the two LSE merges each row times "
+                        "(MEGATRON_HCP_FUSED_MERGE modes, before and after; default: off auto, "
+                        "eager against fused)")
     parser.add_argument("--repeats", type=int, default=2, help="best of N inside a trial")
     parser.add_argument("--trials", type=int, default=3,
                         help="independent trials (each with its own baseline); the table shows "
@@ -392,7 +409,8 @@ def main() -> None:
                          "(--problems window: a causal window of 4096 tokens)")
         problems = {p: PROBLEMS[p] or (h, hkv, d, d) for p in args.problems}
         seqs = args.seqs or [32768, 65536, 131072]
-        print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats)))
+        print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
+                                         merges=tuple(args.merges))))
         return
     if args.layouts:
         with LocalWorld(max(LAYOUT_CPS), timeout_s=1200) as world:

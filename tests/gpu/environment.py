@@ -61,6 +61,11 @@ def describe() -> tuple[list[str], int]:
     import megatron_hcp
 
     lines.append(f"megatron-hcp: {megatron_hcp.__path__[0]}")
+    from megatron_hcp.attention.reference.merge import fuses, merge_mode
+
+    fused = gpus and fuses(torch.device("cuda"))
+    lines.append(f"LSE merge on CUDA: {'fused (Triton)' if fused else 'eager'} "
+                 f"(MEGATRON_HCP_FUSED_MERGE={merge_mode()})")
     import pytest
 
     lines.append(f"pytest: {pytest.__version__}")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ...config import CP_COMM_TYPES
 from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
 from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
+from .merge import merge_mode
 from .seq_layout import (
     CPAttentionError,
     SeqLayout,
@@ -289,6 +290,7 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
+    merge_mode()  # MEGATRON_HCP_FUSED_MERGE checked before any communication
     expected_dims = 3 if qkv_format == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != expected_dims:
@@ -352,16 +354,17 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
     # block then takes slices, not gathered rows), ordered so once on the way in and back once
     # on the way out - inside the a2a's own gather where there is one
     grouped = layout.at(p, flat // a).groupable
+    reorder = grouped and layout.grouping_moves_tokens  # one sequence: already in order
     if a > 1:
         if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
             reps = a // kh.shape[1]
             kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
-        perm, inv = _a2a_permutations(layout, a, grouped)
+        perm, inv = _a2a_permutations(layout, a, reorder)
         qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index
             sink = sink.view(a, -1)[dist.get_rank(a2a_group)]
-    elif grouped:
+    elif reorder:
         order, back = _grouping(layout)
         qh, kh, vh = (TokenOrder.apply(t, order, back) for t in (qh, kh, vh))
     if grouped:
@@ -375,6 +378,6 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                                   sink, attention_bias)
     if a > 1:
         out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
-    elif grouped:
+    elif reorder:
         out = TokenOrder.apply(out, back, order)
     return _from_bhsd(out, qkv_format)

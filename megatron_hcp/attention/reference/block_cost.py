@@ -17,6 +17,10 @@ which torch runs on its efficient kernel (flash takes no mask): up to
 ``MAX_WINDOW_BASELINE`` tokens. Flash's own window (varlen ``window_size``) would be a faster
 baseline; it is not called here. One dense sequence only: packed ``thd`` batches are not
 replayed.
+
+``merge``: the LSE merge the replay runs (:mod:`.merge`: ``"off"`` eager, ``"auto"`` fused
+where Triton runs, ``"on"`` fused), so one run measures both; :attr:`BlockCost.merges` says
+which path the merges took.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .blocks import BlockCounter, Window, plan_block
 from .functions import _backward_block, _forward_block
 from .kernels import acc_dtype
+from .merge import merging
 from .seq_layout import SeqLayout
 
 __all__ = ["BlockCost", "band_mask", "measure_block_cost", "rank_block_pass"]
@@ -48,6 +53,7 @@ class BlockCost:
     sdpa_s: float  # one SDPA forward + backward on the whole sequence
     kernels: dict[tuple[str, str], int]  # forward kernel calls of one replay, (kernel, reason)
     blocks_per_rank: int
+    merges: dict[str, int]  # LSE merges of one replay by path ("fused", "eager")
 
     @property
     def ratio(self) -> float:
@@ -123,11 +129,14 @@ def _best(fn, repeats: int, device: torch.device) -> float:
 def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int,
                        dtype: torch.dtype, device: str | torch.device, batch: int = 1,
                        causal: bool = True, repeats: int = 3, seed: int = 0,
-                       dim_v: int | None = None, window: Window = None) -> BlockCost:
+                       dim_v: int | None = None, window: Window = None,
+                       merge: str = "auto", sdpa_s: float | None = None) -> BlockCost:
     """Time every rank's blocks (summed) and one SDPA call on the same causal problem
     (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
     ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
-    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens)."""
+    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens). ``merge``:
+    the merge mode of the replay (module docstring); ``sdpa_s``: the SDPA time of this problem
+    measured already (another merge's row), not measured again."""
     device = torch.device(device)
     if window is not None and seq > MAX_WINDOW_BASELINE:
         raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "
@@ -164,10 +173,12 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                 enable_gqa=kv_heads != heads)
         out.backward(dout)
 
-    with torch.no_grad():
+    with torch.no_grad(), merging(merge):
         blocks_s = _best(replay, repeats, device)
         with BlockCounter() as counter:
             replay()
     calls = sum(counter.kernels.values())
-    return BlockCost(cp=cp, blocks_s=blocks_s, sdpa_s=_best(sdpa, repeats, device),
-                     kernels=dict(counter.kernels), blocks_per_rank=calls // cp)
+    return BlockCost(cp=cp, blocks_s=blocks_s,
+                     sdpa_s=_best(sdpa, repeats, device) if sdpa_s is None else sdpa_s,
+                     kernels=dict(counter.kernels), blocks_per_rank=calls // cp,
+                     merges=dict(counter.merges))

@@ -32,7 +32,7 @@ import torch
 from .seq_layout import SeqLayout
 
 __all__ = ["Block", "BlockCounter", "Window", "plan_block", "record_block", "record_kernel",
-           "take"]
+           "record_merge", "take"]
 
 Selector = slice | torch.Tensor
 Window = tuple[int, int] | None
@@ -54,11 +54,13 @@ class BlockCounter:
     """Context manager counting this rank's forward attention blocks: ``computed`` holds the
     (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
     window saw nothing of (their K/V still travel: other ranks need them), ``kernels`` the
-    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels`."""
+    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels` - and
+    ``merges`` the LSE merges per path (``"fused"``, ``"eager"``: :mod:`.merge`)."""
 
     computed: list[tuple[int, int]] = field(default_factory=list)
     skipped: int = 0
     kernels: Counter = field(default_factory=Counter)
+    merges: Counter = field(default_factory=Counter)
     _token: contextvars.Token | None = field(default=None, repr=False)
 
     def __enter__(self) -> BlockCounter:
@@ -94,6 +96,12 @@ def record_kernel(kernel: str, reason: str = "") -> None:
     """Count one forward kernel call in every active :class:`BlockCounter`."""
     for counter in _COUNTERS.get():
         counter.kernels[(kernel, reason)] += 1
+
+
+def record_merge(path: str) -> None:
+    """Count one LSE merge (``"fused"`` or ``"eager"``) in every active :class:`BlockCounter`."""
+    for counter in _COUNTERS.get():
+        counter.merges[path] += 1
 
 
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:

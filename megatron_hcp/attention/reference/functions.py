@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ...sharding import contiguous_window_reach
 from . import comm
 from .blocks import Block, Window, plan_block, record_block, take
-from .kernels import acc_dtype, block_backward, block_forward, merge_into
+from .kernels import acc_dtype, block_backward, block_forward
+from .merge import merge_into
 from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]

@@ -1,9 +1,9 @@
-"""Blockwise attention kernels with log-sum-exp (LSE), and the LSE merge.
+"""Blockwise attention kernels with log-sum-exp (LSE).
 
 A *block* is one piece of a CP attention: some local query tokens against some key/value tokens.
 Its forward returns the block output and LSE; partial results merge exactly through
-:func:`merge_into`. Its backward takes the *final* (merged) output and LSE, so the block's
-gradients are exact contributions to the full gradients.
+:func:`~.merge.merge_into`. Its backward takes the *final* (merged) output and LSE, so the
+block's gradients are exact contributions to the full gradients.
 
 Which kernel a block takes (:func:`choose_kernel`, from the block's shape alone; recorded per
 forward block in :class:`~.blocks.BlockCounter`):
@@ -44,8 +44,7 @@ import torch
 from .blocks import record_kernel
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
-           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for",
-           "merge_into"]
+           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for"]
 
 _NEG_INF = float("-inf")
 CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH = "cpu_flash", "cuda_flash", "cuda_efficient", "math"
@@ -328,48 +327,3 @@ def block_backward(
         dk = torch.matmul(ds.transpose(-1, -2), qa)
     grads = (dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads))
     return grads if bias is None else (*grads, dbias)
-
-
-def merge_into(
-    out_acc: torch.Tensor,
-    lse_acc: torch.Tensor,
-    rows: slice | torch.Tensor,
-    out_blk: torch.Tensor,
-    lse_blk: torch.Tensor,
-    *,
-    first: bool = False,
-    empty_rows: bool = True,
-) -> None:
-    """Merge a block result into the running (out, lse) at query ``rows`` (in place).
-
-    ``out_acc`` [B,H,S,D] and ``lse_acc`` [B,H,S] are in the accumulation dtype. ``first``: no
-    block was merged into ``out_acc`` yet (out 0, LSE ``-inf`` everywhere), so the block is
-    copied in - exactly what the merge gives. Otherwise the block's share of a row is
-    ``w = exp(lse_blk - logaddexp(lse, lse_blk)) = sigmoid(lse_blk - lse)`` and the row becomes
-    ``lerp(out, out_blk, w)``: four kernels a merge (five with ``empty_rows``), written in
-    place where ``rows`` is a slice. ``empty_rows``: the block may have rows that see no key
-    (LSE ``-inf``: a mask, or a bias with ``-inf``); without it every row of the block saw a
-    key (dense blocks), and no row can turn to NaN.
-    """
-    if first and isinstance(rows, slice):  # a copy converts the dtype on the way
-        out_acc[:, :, rows].copy_(out_blk)
-        lse_acc[:, :, rows].copy_(lse_blk)
-        return
-    lse_b = lse_blk.to(lse_acc.dtype)
-    out_b = out_blk.to(out_acc.dtype)
-    if first:
-        out_acc.index_copy_(2, rows, out_b)
-        lse_acc.index_copy_(2, rows, lse_b)
-        return
-    if isinstance(rows, slice):
-        o, m = out_acc[:, :, rows], lse_acc[:, :, rows]
-    else:
-        o, m = out_acc.index_select(2, rows), lse_acc.index_select(2, rows)
-    w = torch.sigmoid(lse_b - m)
-    if empty_rows:  # rows no key reached yet, before and in this block (-inf - -inf): out 0
-        w = w.nan_to_num_(nan=0.0)
-    o.lerp_(out_b, w.unsqueeze(-1))
-    torch.logaddexp(m, lse_b, out=m)
-    if not isinstance(rows, slice):
-        out_acc.index_copy_(2, rows, o)
-        lse_acc.index_copy_(2, rows, m)

@@ -43,20 +43,23 @@ class LaunchCase:
     mode: str = "zigzag"
     seq: int = 512
     dtype: torch.dtype = torch.float32
+    sequences: int = 3  # thd: three packed sequences, or one (with padding at its end)
 
     @property
     def hcp(self) -> tuple[int, int] | None:
         return (2, self.cp // 2) if self.comm == "a2a+p2p" else None
 
 
-# every comm type, both layouts, thd, GQA, MLA head dims, a sliding window and bf16 (its
-# conversions to and from the fp32 accumulators), at CP 2 and 4
+# every comm type, both layouts, thd (three sequences, or one: its tokens need no reordering),
+# GQA, MLA head dims, a sliding window and bf16 (its conversions to and from the fp32
+# accumulators), at CP 2 and 4
 CASES = (
     LaunchCase("p2p cp2", "p2p", 2),
     LaunchCase("p2p cp4", "p2p", 4),
     LaunchCase("p2p cp4 bf16", "p2p", 4, dtype=torch.bfloat16),
     LaunchCase("p2p cp4 contiguous", "p2p", 4, mode="contiguous"),
     LaunchCase("p2p cp4 thd", "p2p", 4, fmt="thd"),
+    LaunchCase("p2p cp4 thd 1 seq", "p2p", 4, fmt="thd", sequences=1),
     LaunchCase("p2p cp4 gqa", "p2p", 4, kv_heads=2),
     LaunchCase("p2p cp4 mla", "p2p", 4, dim=96, dim_v=64),
     LaunchCase("p2p cp4 window", "p2p", 4, window=(64, 0)),
@@ -86,11 +89,17 @@ def _inputs(case: LaunchCase, position: int, device: torch.device):
     gen = torch.Generator().manual_seed(0)
     dv = case.dim_v or case.dim
     meta: dict[str, torch.Tensor] = {}
-    if case.fmt == "thd":  # three sequences, padded to the layout's unit
+    if case.fmt == "thd" and case.sequences == 1:  # one sequence, its last 8 tokens padding
+        meta["cu_seqlens_q"] = torch.tensor([0, case.seq - 8], dtype=torch.int32,
+                                            device=device)
+        meta["cu_seqlens_q_padded"] = torch.tensor([0, case.seq], dtype=torch.int32,
+                                                   device=device)
+        lead: tuple[int, ...] = (case.seq,)
+    elif case.fmt == "thd":  # three sequences, padded to the layout's unit
         lengths = [case.seq // 4, case.seq // 2, case.seq // 4]
         meta["cu_seqlens_q"] = meta["cu_seqlens_q_padded"] = torch.tensor(
             [0, lengths[0], lengths[0] + lengths[1], case.seq], dtype=torch.int32, device=device)
-        lead: tuple[int, ...] = (case.seq,)
+        lead = (case.seq,)
     else:
         lead = (1, case.seq)
     shapes = [(case.heads, case.dim), (case.kv_heads, case.dim), (case.kv_heads, dv),

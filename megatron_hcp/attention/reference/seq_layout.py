@@ -149,8 +149,20 @@ class SeqLayout:
         """Whether grouping the halves makes them slices (packed zigzag chunks at CP > 1)."""
         return not self.grouped and not self.contiguous and not self.is_dense and self.cp > 1
 
+    @property
+    def grouping_moves_tokens(self) -> bool:
+        """Whether :func:`half_grouping` is other than the identity: at least two sequences
+        hold tokens (one sequence is already its first half, then its second)."""
+        return sum(1 for n in self.padded if n) > 1
+
     def with_grouped_halves(self) -> SeqLayout:
-        """This layout with its tokens in :func:`half_grouping` order."""
+        """This layout with its tokens in :func:`half_grouping` order (only where
+        :attr:`groupable`)."""
+        if not self.groupable:
+            raise ValueError(
+                f"with_grouped_halves: this layout (mode={self.mode!r}, cp={self.cp}, "
+                f"{len(self.padded)} sequence(s), grouped={self.grouped}) is not groupable; "
+                "grouping applies once, to packed zigzag sequences at CP > 1")
         return replace(self, grouped=True)
 
     @classmethod

@@ -279,7 +279,7 @@ def test_merging_blocks_in_any_order_is_attention_on_their_union(dtype, by_index
     """merge_into (the first block copied in, later ones lerped by their LSE share) gives the
     attention of the queries on every block's keys together, in any order; rows no block has
     reached stay 0 with LSE -inf (no NaN), also when a later block does not reach them."""
-    from megatron_hcp.attention.reference.kernels import merge_into
+    from megatron_hcp.attention.reference.merge import merge_into
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=dtype) for n in (6, 12, 12))
@@ -320,8 +320,12 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     assert "w5" in rows[-1] and "cpu_flash" in rows[-1]  # masked blocks, the fused kernel
     assert [r.split()[3:5] for r in rows[:5]] == [["64", "2"], ["64", "4"], ["64", "16"],
                                                   ["48", "2"], ["48", "4"]]
-    assert all(r.split()[9] in ("met", "missed") for r in rows), rows
+    assert all(r.split()[11] in ("met", "missed") for r in rows), rows
     assert "math (MLA head dims" in rows[14] and "cpu_flash" in rows[0]
+    # both merges timed against one SDPA time; on the CPU auto merges eagerly: 2 blocks at
+    # CP2 -> one merge a rank, 2 ranks
+    assert lines[1].split()[4:9] == ["ms", "off", "ms", "auto", "SDPA"], lines[1]
+    assert rows[0].endswith("; eager 2") and rows[2].endswith("; eager 240"), rows[:3]
     assert (goal(8), goal(16)) == (1.10, 1.25)
     too_long = gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)}, "fp32",
                                [2], 1, device="cpu")
@@ -381,3 +385,48 @@ def test_grouped_halves_are_the_same_tokens_as_slices():
                 assert (want is None) == (got is None)
                 if want is not None:  # the same pairs, named by their plain token index
                     assert pairs(got, order) == pairs(want, torch.arange(12)), (position, src)
+
+
+def test_grouping_applies_once_and_only_where_it_moves_tokens():
+    """with_grouped_halves refuses a layout it does not apply to (already grouped, dense,
+    contiguous, CP 1), naming why; a packing whose tokens all sit in one sequence is its own
+    grouping, so the attention does not reorder it."""
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout, half_grouping
+
+    packed = SeqLayout((8, 16), (8, 12), 4, 1)
+    for layout in (packed.with_grouped_halves(), SeqLayout.dense(8, 4, 1),
+                   SeqLayout((8, 16), (8, 12), 4, 1, "contiguous"),
+                   SeqLayout((8, 16), (8, 12), 1, 0)):
+        with pytest.raises(ValueError, match="is not groupable; grouping applies once, to "
+                                             "packed zigzag sequences at CP > 1"):
+            layout.with_grouped_halves()
+    for padded, real, moves in (((8, 16), (8, 12), True), ((0, 16, 0), (0, 12, 0), False),
+                                ((16,), (12,), False)):
+        layout = SeqLayout(padded, real, 4, 2)
+        identity = torch.equal(half_grouping(padded, 4), torch.arange(layout.local_tokens))
+        assert layout.grouping_moves_tokens == moves == (not identity), padded
+
+
+@pytest.mark.parametrize("mode", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp,a", [(4, 2), (8, 2), (8, 4), (4, 4)])
+def test_a2a_permutation_gives_the_layout_one_level_up(mode, cp, a):
+    """The a2a's gather permutation (api._a2a_permutations), alone and composed with the half
+    grouping: the a ranks' tokens concatenated in a2a order and taken in its order are,
+    token for token (sequence, position, real or padding), the layout of CP size cp/a at the
+    group's position - with its halves grouped where the attention groups them - and the
+    inverse takes them back."""
+    from megatron_hcp.attention.reference.api import _a2a_permutations
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout
+
+    padded, real = (2 * cp, 4 * cp, 0, 6 * cp), (2 * cp - 1, 4 * cp, 0, 5 * cp)
+    p = cp // a
+    for group in range(p):
+        ranks = [SeqLayout(padded, real, cp, group * a + i, mode) for i in range(a)]
+        gathered = [torch.cat([getattr(r, f) for r in ranks]) for f in ("seq_id", "pos", "valid")]
+        up = ranks[0].at(p, group)
+        for grouped in ([False, True] if up.groupable else [False]):
+            perm, inv = _a2a_permutations(ranks[0], a, grouped)
+            want = up.with_grouped_halves() if grouped else up
+            for got, field in zip(gathered, ("seq_id", "pos", "valid")):
+                assert torch.equal(got[perm], getattr(want, field)), (group, grouped, field)
+                assert torch.equal(got[perm][inv], got)
