@@ -43,11 +43,11 @@ reason). The ``window`` problem (16 heads of 128, causal window of 4096 tokens) 
 blocks (the efficient kernel with the mask as its bias) against one SDPA call with the window as
 an S x S mask (the efficient kernel too; flash's own window, varlen ``window_size``, is not
 called), up to S = 64K. Every row is timed twice in the same run, with the eager LSE merge
-and with the fused one (``--merges off auto``: ``MEGATRON_HCP_FUSED_MERGE`` modes; ``auto``
-fuses where Triton runs), against the same SDPA time; the verdict is the second's.
+and masks and with fused ones (``--fused off auto``: ``MEGATRON_HCP_FUSED_OPS`` modes;
+``auto`` fuses where Triton runs), against the same SDPA time; the verdict is the second's.
 ``.venv/bin/python benchmarks/attention.py --device cuda [--seqs 32768 65536 131072
 --problems mha gqa mla window --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16
---merges off auto]``
+--fused off auto]``
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
-from megatron_hcp.attention.reference.merge import MERGE_MODES  # noqa: E402
+from megatron_hcp.attention.reference.fused import FUSED_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
@@ -284,22 +284,23 @@ PROBLEMS = {"mha": None, "gqa": (32, 8, 128, 128), "mla": (16, 16, 192, 128),
 
 def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                     dtype: str, cps: list[int], repeats: int, device: str = "cuda",
-                    merges: tuple[str, str] = ("off", "auto")) -> list[str]:
+                    fused: tuple[str, str] = ("off", "auto")) -> list[str]:
     """Lines of the --device cuda table (one GPU; ``device="cpu"`` runs the same table small,
     in the tests): per problem, sequence length and CP size, the blocks' time summed over the
-    ranks with each of the two ``merges`` (``MEGATRON_HCP_FUSED_MERGE`` modes: before and
-    after the fused LSE merge, in the same run) against one SDPA call, the verdict of the
-    second, the kernels the blocks took and the paths the merges took; a CP size that does not
-    cut a sequence into 2*CP chunks is left out, and so is a windowed sequence longer than the
-    one-call baseline's mask allows (``MAX_WINDOW_BASELINE``, said in a line)."""
+    ranks with each of the two ``fused`` modes (``MEGATRON_HCP_FUSED_OPS``: before and after
+    fusing the LSE merges and the masks, in the same run) against one SDPA call, the verdict
+    of the second, the kernels the blocks took and the paths the merges and masks took; a CP
+    size that does not cut a sequence into 2*CP chunks is left out, and so is a windowed
+    sequence longer than the one-call baseline's mask allows (``MAX_WINDOW_BASELINE``, said in
+    a line)."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-    before, after = merges
+    before, after = fused
     lines = [f"{name}, torch {torch.__version__}, {dtype}, causal, batch 1; forward + backward, "
-             f"best of {repeats}; merge {before} | {after} (MEGATRON_HCP_FUSED_MERGE); goal "
-             f"(merge {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16"]
+             f"best of {repeats}; fused {before} | {after} (MEGATRON_HCP_FUSED_OPS); goal "
+             f"(fused {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16"]
     header = (f"{'problem':<22} {'S':>6} {'CP':>3} {'blocks/rank':>11} {'ms ' + before:>10} "
               f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8} "
-              f"{'goal':>7}  kernels (forward calls); merges ({after})")
+              f"{'goal':>7}  kernels (forward calls); merges, masks ({after})")
     lines += [header, "-" * len(header)]
     skipped = []
     for label, (h, hkv, d, dv, *left) in problems.items():
@@ -314,11 +315,13 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                 problem = dict(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                window=window)
-                old = measure_block_cost(**problem, merge=before)
-                new = measure_block_cost(**problem, merge=after, sdpa_s=old.sdpa_s)
+                old = measure_block_cost(**problem, fused=before)
+                new = measure_block_cost(**problem, fused=after, sdpa_s=old.sdpa_s)
                 kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
                                     for (k, why), n in sorted(new.kernels.items()))
-                paths = ", ".join(f"{path} {n}" for path, n in sorted(new.merges.items()))
+                paths = "; ".join(
+                    f"{what} " + ", ".join(f"{path} {n}" for path, n in sorted(done.items()))
+                    for what, done in (("merges", new.merges), ("masks", new.masks)) if done)
                 verdict = "met" if new.ratio <= goal(cp) else "missed"
                 size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
                 lines.append(f"{what:<22} {size:>6} {cp:>3} {new.blocks_per_rank:>11} "
@@ -373,10 +376,10 @@ def main() -> None:
                         help="cuda only: mha (--heads, --dim), gqa (32 heads, 8 KV heads, "
                         "d 128), mla (16 heads, d_qk 192, d_v 128), window (16 heads, d 128, "
                         "causal window of 4096 tokens; S <= 65536)")
-    parser.add_argument("--merges", nargs=2, choices=MERGE_MODES, default=["off", "auto"],
-                        metavar="MODE", help="cuda only: the two LSE merges each row times "
-                        "(MEGATRON_HCP_FUSED_MERGE modes, before and after; default: off auto, "
-                        "eager against fused)")
+    parser.add_argument("--fused", nargs=2, choices=FUSED_MODES, default=["off", "auto"],
+                        metavar="MODE", help="cuda only: the two modes of the merges and masks "
+                        "each row times (MEGATRON_HCP_FUSED_OPS, before and after; default: "
+                        "off auto, eager against fused)")
     parser.add_argument("--repeats", type=int, default=2, help="best of N inside a trial")
     parser.add_argument("--trials", type=int, default=3,
                         help="independent trials (each with its own baseline); the table shows "
@@ -410,7 +413,7 @@ def main() -> None:
         problems = {p: PROBLEMS[p] or (h, hkv, d, d) for p in args.problems}
         seqs = args.seqs or [32768, 65536, 131072]
         print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
-                                         merges=tuple(args.merges))))
+                                         fused=tuple(args.fused))))
         return
     if args.layouts:
         with LocalWorld(max(LAYOUT_CPS), timeout_s=1200) as world:

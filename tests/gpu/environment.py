@@ -61,11 +61,12 @@ def describe() -> tuple[list[str], int]:
     import megatron_hcp
 
     lines.append(f"megatron-hcp: {megatron_hcp.__path__[0]}")
-    from megatron_hcp.attention.reference.merge import fuses, merge_mode
+    from megatron_hcp.attention.reference.fused import fused_mode, fuses
 
     fused = gpus and fuses(torch.device("cuda"))
-    lines.append(f"LSE merge on CUDA: {'fused (Triton)' if fused else 'eager'} "
-                 f"(MEGATRON_HCP_FUSED_MERGE={merge_mode()})")
+    lines.append(f"CP attention merges and masks on CUDA: "
+                 f"{'fused (Triton)' if fused else 'eager'} "
+                 f"(MEGATRON_HCP_FUSED_OPS={fused_mode()})")
     import pytest
 
     lines.append(f"pytest: {pytest.__version__}")

@@ -15,8 +15,8 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
 )
 from megatron_hcp.attention.reference.block_cost import measure_block_cost
+from megatron_hcp.attention.reference.fused import fuses
 from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
-from megatron_hcp.attention.reference.merge import fuses
 from megatron_hcp.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
 from tests.unit.attention.test_cp_attention import (
@@ -30,6 +30,8 @@ from tests.unit.attention.test_cp_attention import (
 )
 
 pytestmark = [pytest.mark.gpu, needs(1)]
+NOT_FUSED = ("MEGATRON_HCP_FUSED_OPS=auto works eagerly here: Triton, a GPU it supports, or the "
+             "C compiler it builds its launcher with is missing")
 SPEED_GOAL = 1.10  # CP blocks / one SDPA call at CP <= 8 (issue #34); reported, not asserted
 
 
@@ -140,10 +142,10 @@ def test_block_speed_against_one_sdpa_call(report):
     for cp in (2, 4, 8):
         problem = dict(seq=32768, heads=16, kv_heads=16, dim=128, cp=cp,
                        dtype=torch.bfloat16, device="cuda", repeats=3)
-        eager = measure_block_cost(**problem, merge="off")
+        eager = measure_block_cost(**problem, fused="off")
         pairs.append((eager, measure_block_cost(**problem, sdpa_s=eager.sdpa_s)))
     report(1, "; ".join(f"CP{new.cp} {old.ratio:.2f}x -> {new.ratio:.2f}x" for old, new in pairs)
-           + f" (eager -> {'fused' if fuses(torch.device('cuda')) else 'eager'} merge; goal "
+           + f" (eager -> {'fused' if fuses(torch.device('cuda')) else 'eager'} merges; goal "
            f"<= {SPEED_GOAL}x: "
            + ("met" if all(new.ratio <= SPEED_GOAL for _, new in pairs) else "missed") + ")")
     for old, new in pairs:  # the blocks ran the fused kernel (the time is reported, not gated)
@@ -159,16 +161,16 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
     from torch._inductor.utils import run_and_get_code
 
     from megatron_hcp.attention.reference import merge as merge_module
-    from megatron_hcp.attention.reference.merge import merge_into, merging
-    from tests.unit.attention.test_fused_merge import _problem, generated_kernels
+    from megatron_hcp.attention.reference.fused import fusing
+    from megatron_hcp.attention.reference.merge import merge_into
+    from tests.unit.attention.test_fused_ops import _problem, generated_kernels
 
     if not fuses(torch.device("cuda")):
-        pytest.skip("MEGATRON_HCP_FUSED_MERGE=auto merges eagerly here: Triton, a GPU it "
-                    "supports, or the C compiler it builds its launcher with is missing")
+        pytest.skip(NOT_FUSED)
     want_out, want_lse, rows, out_blk, lse_blk = _problem(torch.float32, torch.bfloat16,
                                                           by_index, device="cuda")
     got_out, got_lse = want_out.clone(), want_lse.clone()
-    with merging("off"):
+    with fusing("off"):
         merge_into(want_out, want_lse, rows, out_blk, lse_blk)
     with BlockCounter() as counter:
         merge_into(got_out, got_lse, rows, out_blk, lse_blk)
@@ -177,7 +179,7 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
     assert torch.equal(got_lse.isneginf(), want_lse.isneginf())
     torch._dynamo.reset()
-    fn = torch.compile(merge_module._FUSED[("index" if by_index else "rows", True)],
+    fn = torch.compile(merge_module.FUSED[("index" if by_index else "rows", True)],
                        dynamic=True, fullgraph=True)
     args = (got_out, got_lse, rows, out_blk, lse_blk) if by_index else (
         got_out[:, :, rows], got_lse[:, :, rows], out_blk, lse_blk)
@@ -186,4 +188,40 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
     kernels = generated_kernels(code)
     report(1, f"kernels generated: {kernels}; max error vs eager "
               f"{(got_out - want_out).abs().max().item():.1e}")
+    assert len(kernels) == 1 and kernels[0].startswith("triton_"), kernels
+
+
+def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
+    """On CUDA ``auto`` builds a masked block's additive mask (packed sequences, a window) in
+    one Triton kernel: value for value the eager mask, rows 16-element aligned as the
+    efficient kernel reads them, with the same rows that see no key."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron_hcp.attention.reference.blocks import BlockMask, _additive_fused
+    from megatron_hcp.attention.reference.fused import fusing
+    from tests.unit.attention.test_fused_ops import generated_kernels
+
+    if not fuses(torch.device("cuda")):
+        pytest.skip(NOT_FUSED)
+    gen = torch.Generator().manual_seed(7)
+
+    def meta(n):
+        return tuple(t.cuda() for t in (torch.randint(0, 3, (n,), generator=gen),
+                                        torch.randint(0, 40, (n,), generator=gen),
+                                        torch.rand(n, generator=gen) > 0.2))
+
+    mask = BlockMask(meta(50), meta(70), True, (9, 0))
+    with fusing("off"):
+        want, want_seen = mask.additive(torch.bfloat16, 80)
+    with BlockCounter() as counter:
+        got, seen = mask.additive(torch.bfloat16, 80)
+    assert counter.masks == {"fused": 1} and got.stride() == (80, 1)
+    assert torch.equal(got, want) and torch.equal(seen, want_seen)
+    assert torch.equal(got == 0, mask.dense())
+    torch._dynamo.reset()
+    fn = torch.compile(_additive_fused, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        _, code = run_and_get_code(fn, *mask.q, *mask.k, 9, 0, 80, torch.bfloat16)
+    kernels = generated_kernels(code)
+    report(1, f"kernels generated: {kernels}")
     assert len(kernels) == 1 and kernels[0].startswith("triton_"), kernels

@@ -18,9 +18,9 @@ which torch runs on its efficient kernel (flash takes no mask): up to
 baseline; it is not called here. One dense sequence only: packed ``thd`` batches are not
 replayed.
 
-``merge``: the LSE merge the replay runs (:mod:`.merge`: ``"off"`` eager, ``"auto"`` fused
-where Triton runs, ``"on"`` fused), so one run measures both; :attr:`BlockCost.merges` says
-which path the merges took.
+``fused``: how the replay runs its merges and masks (:mod:`.fused`: ``"off"`` eager,
+``"auto"`` fused where Triton runs, ``"on"`` fused), so one run measures both;
+:attr:`BlockCost.merges` and :attr:`BlockCost.masks` say which path they took.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .blocks import BlockCounter, Window, plan_block
 from .functions import _backward_block, _forward_block
+from .fused import fusing
 from .kernels import acc_dtype
-from .merge import merging
 from .seq_layout import SeqLayout
 
 __all__ = ["BlockCost", "band_mask", "measure_block_cost", "rank_block_pass"]
@@ -54,6 +54,7 @@ class BlockCost:
     kernels: dict[tuple[str, str], int]  # forward kernel calls of one replay, (kernel, reason)
     blocks_per_rank: int
     merges: dict[str, int]  # LSE merges of one replay by path ("fused", "eager")
+    masks: dict[str, int]  # additive masks of one replay (forward) by path
 
     @property
     def ratio(self) -> float:
@@ -130,13 +131,13 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                        dtype: torch.dtype, device: str | torch.device, batch: int = 1,
                        causal: bool = True, repeats: int = 3, seed: int = 0,
                        dim_v: int | None = None, window: Window = None,
-                       merge: str = "auto", sdpa_s: float | None = None) -> BlockCost:
+                       fused: str = "auto", sdpa_s: float | None = None) -> BlockCost:
     """Time every rank's blocks (summed) and one SDPA call on the same causal problem
     (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
     ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
-    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens). ``merge``:
-    the merge mode of the replay (module docstring); ``sdpa_s``: the SDPA time of this problem
-    measured already (another merge's row), not measured again."""
+    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens). ``fused``:
+    the mode of the replay's merges and masks (module docstring); ``sdpa_s``: the SDPA time of
+    this problem measured already (the other mode's row), not measured again."""
     device = torch.device(device)
     if window is not None and seq > MAX_WINDOW_BASELINE:
         raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "
@@ -173,7 +174,7 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                 enable_gqa=kv_heads != heads)
         out.backward(dout)
 
-    with torch.no_grad(), merging(merge):
+    with torch.no_grad(), fusing(fused):
         blocks_s = _best(replay, repeats, device)
         with BlockCounter() as counter:
             replay()
@@ -181,4 +182,4 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
     return BlockCost(cp=cp, blocks_s=blocks_s,
                      sdpa_s=_best(sdpa, repeats, device) if sdpa_s is None else sdpa_s,
                      kernels=dict(counter.kernels), blocks_per_rank=calls // cp,
-                     merges=dict(counter.merges))
+                     merges=dict(counter.merges), masks=dict(counter.masks))

@@ -29,10 +29,11 @@ from functools import lru_cache
 
 import torch
 
+from .fused import fuses, run_fused
 from .seq_layout import SeqLayout
 
-__all__ = ["Block", "BlockCounter", "Window", "plan_block", "record_block", "record_kernel",
-           "record_merge", "take"]
+__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "plan_block", "record_block",
+           "record_kernel", "record_mask", "record_merge", "take"]
 
 Selector = slice | torch.Tensor
 Window = tuple[int, int] | None
@@ -43,10 +44,13 @@ _COUNTERS: contextvars.ContextVar[tuple[BlockCounter, ...]] = contextvars.Contex
 
 @dataclass(frozen=True)
 class Block:
+    """Query ``rows`` against key/value ``cols`` (slices or token indices), ``causal`` (the
+    square diagonal) or masked by ``mask`` (a :class:`BlockMask`)."""
+
     rows: Selector
     cols: Selector
     causal: bool
-    mask: torch.Tensor | None
+    mask: BlockMask | None
 
 
 @dataclass
@@ -54,13 +58,15 @@ class BlockCounter:
     """Context manager counting this rank's forward attention blocks: ``computed`` holds the
     (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
     window saw nothing of (their K/V still travel: other ranks need them), ``kernels`` the
-    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels` - and
-    ``merges`` the LSE merges per path (``"fused"``, ``"eager"``: :mod:`.merge`)."""
+    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels` - and, per
+    path (``"fused"``, ``"eager"``: :mod:`.fused`), ``merges`` the LSE merges
+    (:mod:`.merge`) and ``masks`` the additive masks built (:meth:`BlockMask.additive`)."""
 
     computed: list[tuple[int, int]] = field(default_factory=list)
     skipped: int = 0
     kernels: Counter = field(default_factory=Counter)
     merges: Counter = field(default_factory=Counter)
+    masks: Counter = field(default_factory=Counter)
     _token: contextvars.Token | None = field(default=None, repr=False)
 
     def __enter__(self) -> BlockCounter:
@@ -104,6 +110,13 @@ def record_merge(path: str) -> None:
         counter.merges[path] += 1
 
 
+def record_mask(path: str) -> None:
+    """Count one additive mask built (``"fused"`` or ``"eager"``) in every active
+    :class:`BlockCounter`."""
+    for counter in _COUNTERS.get():
+        counter.masks[path] += 1
+
+
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
     """``x`` restricted to the tokens ``sel`` along ``dim``."""
     if isinstance(sel, slice):
@@ -135,10 +148,12 @@ def _meta(layout: SeqLayout, sel: Selector) -> Meta:
     return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
 
 
-@lru_cache(maxsize=64)  # three vectors of a half's tokens; a packing needs 2 per position
-def _half_meta(layout: SeqLayout, which: str) -> Meta:
+@lru_cache(maxsize=128)  # three vectors of a half's tokens; a packing needs 4 per position
+def _half_meta(layout: SeqLayout, which: str, side: str) -> Meta:
     """:func:`_meta` of a half of ``layout`` (``"all"``, ``"first"``, ``"second"``), gathered
-    once per packing: every block of every layer, forward and backward, reads it."""
+    once per packing: every block of every layer, forward and backward, reads it. The query
+    and the key ``side`` get tensors of their own, so that a block never passes the same
+    tensor as both (the fused mask compiles a variant for each way tensors alias)."""
     return _meta(layout, layout.half(which))
 
 
@@ -159,6 +174,76 @@ def _mask(q: Meta, k: Meta, causal: bool, window: Window) -> torch.Tensor:
         if right >= 0:
             mask &= -gap <= right
     return mask
+
+
+# a side of a window no token limit (-1) as a bound no gap reaches: one fused function for
+# every window (a Python branch would compile a variant per side)
+_UNBOUNDED = 2**62
+
+
+def _additive_fused(q_seq, q_pos, q_ok, k_seq, k_pos, k_ok, left: int, right: int,
+                    width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_mask` as the fused kernels' additive mask (0 / ``-inf`` in ``dtype``, its rows
+    ``width`` apart) and which rows see any key, in one kernel when compiled: keys ``left``
+    to ``right`` tokens from the query (causal: ``right`` 0)."""
+    visible = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
+    gap = q_pos[:, None] - k_pos[None, :]
+    visible = visible & (gap <= left) & (-gap <= right)
+    add = torch.where(visible, 0.0, float("-inf")).to(dtype)
+    cols = add.shape[1]
+    padded = torch.nn.functional.pad(add, (0, width - cols), value=float("-inf"))
+    return padded[:, :cols], visible.any(1)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """The visible (query, key) pairs of a masked block - same sequence, both tokens real,
+    causal order and the window band - held as its tokens' metadata (``q``, ``k``: sequence
+    id, position, real token) and built as a [rows, cols] tensor only where a kernel takes it:
+    booleans (:meth:`dense`, the math path) or the fused kernels' additive mask
+    (:meth:`additive`: one fused kernel where :func:`~.fused.fuses`, instead of a dozen passes
+    over the block)."""
+
+    q: Meta
+    k: Meta
+    causal: bool
+    window: Window
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.q[0].numel()), int(self.k[0].numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.q[0].device
+
+    def dense(self) -> torch.Tensor:
+        """The visible pairs as a boolean [rows, cols] tensor."""
+        return _mask(self.q, self.k, self.causal, self.window)
+
+    def additive(self, dtype: torch.dtype, width: int | None = None, *, seen: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(0 where visible and ``-inf`` elsewhere as a [rows, cols] tensor in ``dtype`` whose
+        rows start ``width`` elements apart (default: cols), whether each row sees any key -
+        ``None`` where not ``seen`` is asked for and the work is eager)."""
+        rows, cols = self.shape
+        width = cols if width is None else width
+        if fuses(self.device):
+            left, right = self.window if self.window is not None else (-1, -1)
+            left, right = (_UNBOUNDED if x < 0 else x for x in (left, right))
+            if self.causal:  # keys at most 0 tokens after the query
+                right = min(right, 0)
+            done, result = run_fused(_additive_fused, *self.q, *self.k, left, right, width,
+                                     dtype)
+            if done:
+                record_mask("fused")
+                return result
+        visible = self.dense()
+        add = torch.full((rows, width), float("-inf"), dtype=dtype, device=self.device)
+        add = add[:, :cols]
+        add.masked_fill_(visible, 0.0)
+        record_mask("eager")
+        return add, visible.any(1) if seen else None
 
 
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
@@ -198,10 +283,11 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         return Block(q_layout.half(which_rows), kv_layout.half(which_cols), diag, None)
     if window is None:
         rows, cols = q_layout.half(which_rows), kv_layout.half(which_cols)
-        q_meta, k_meta = _half_meta(q_layout, which_rows), _half_meta(kv_layout, which_cols)
+        q_meta = _half_meta(q_layout, which_rows, "q")
+        k_meta = _half_meta(kv_layout, which_cols, "k")
     else:
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:
             return None
         rows, cols, q_meta, k_meta = trimmed
-    return Block(rows, cols, False, _mask(q_meta, k_meta, causal, window))
+    return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import record_kernel
+from .blocks import BlockMask, record_kernel
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
            "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for"]
@@ -93,11 +93,13 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
 
 
 def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool, mask: torch.Tensor | None = None) -> bool:
+                   causal: bool, mask: torch.Tensor | BlockMask | None = None) -> bool:
     """Whether torch runs ``kernel`` on these CUDA tensors here (GPU arch, build, the user's
     ``torch.backends.cuda.enable_*_sdp`` switches), with the block's ``mask`` if it has one."""
     from torch.backends import cuda as sdp
 
+    if isinstance(mask, BlockMask):  # torch checks a mask's dtype, shape and layout only: an
+        mask = torch.empty(mask.shape, dtype=torch.bool, device=q.device)  # unfilled stand-in
     try:
         params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, False)
     except TypeError:  # torch < 2.5: no enable_gqa argument
@@ -108,7 +110,8 @@ def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-               mask: torch.Tensor | None, bias: torch.Tensor | None) -> KernelChoice:
+               mask: torch.Tensor | BlockMask | None, bias: torch.Tensor | None
+               ) -> KernelChoice:
     """The kernel of the block ``q`` [B,H,Sq,D] x ``k``/``v`` (heads already expanded): the
     shape rule, confirmed on CUDA by torch's own checks (falling back flash -> efficient ->
     math)."""
@@ -162,31 +165,40 @@ def _heads_inner(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _additive(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The boolean block mask [Sq, Sk] as the fused kernels take it: 0 where visible, ``-inf``
-    elsewhere, in q's dtype. On CUDA its rows start 16-element aligned (a view of a padded
-    buffer: the efficient kernel loads bias rows 128 bits at a time and checks only part of
-    that, and torch's SDPA front end pads the mask the same way before calling it) and it is
-    seen as [B, H, Sq, Sk] (the kernel takes a 4-D bias; the expansion copies nothing)."""
+def _additive(mask: torch.Tensor | BlockMask, causal: bool, q: torch.Tensor, seen: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """The block mask as the fused kernels take it, which of its rows see any key (where
+    ``seen`` is asked for) and the causal flag the kernel then runs with: 0 where visible,
+    ``-inf`` elsewhere, in q's dtype. A causal flag with a mask is folded into the mask (the
+    kernel then runs without it), so that the rows the mask hides are exactly the rows that
+    see no key. On CUDA its rows start 16-element aligned (a view of a padded buffer: the
+    efficient kernel loads bias rows 128 bits at a time and checks only part of that, and
+    torch's SDPA front end pads the mask the same way before calling it) and it is seen as
+    [B, H, Sq, Sk] (the kernel takes a 4-D bias; the expansion copies nothing). A
+    :class:`~.blocks.BlockMask` builds it from its tokens' metadata (one fused kernel where
+    :mod:`.fused` says so)."""
+    if isinstance(mask, BlockMask) and causal:  # never planned: the triangle folds into
+        mask = mask.dense()  # booleans
+    if not isinstance(mask, BlockMask) and causal:
+        mask = mask & torch.ones_like(mask).tril()
     sq, sk = mask.shape
     width = -(-sk // 16) * 16 if q.device.type == "cuda" else sk
-    add = torch.full((sq, width), _NEG_INF, dtype=q.dtype, device=q.device)[:, :sk]
-    add.masked_fill_(mask, 0.0)
-    return add if q.device.type != "cuda" else add.expand(q.shape[0], q.shape[1], sq, sk)
-
-
-def _with_causal(mask: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
-    """A mask with the causal triangle folded in (the kernel then runs without its own causal
-    flag), so that the rows the mask hides are exactly the rows that see no key."""
-    if mask is None or not causal:
-        return mask, causal
-    return mask & torch.ones_like(mask).tril(), False
+    if isinstance(mask, BlockMask):
+        add, rows_seen = mask.additive(q.dtype, width, seen=seen)
+    else:
+        add = torch.full((sq, width), _NEG_INF, dtype=q.dtype, device=q.device)[:, :sk]
+        add.masked_fill_(mask, 0.0)
+        rows_seen = mask.any(1) if seen else None
+    if q.device.type == "cuda":
+        add = add.expand(q.shape[0], q.shape[1], sq, sk)
+    return add, rows_seen, False
 
 
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
-                   mask: torch.Tensor | None = None):
-    mask, causal = _with_causal(mask, causal)
-    add = None if mask is None else _additive(mask, q)
+                   mask: torch.Tensor | BlockMask | None = None):
+    add = seen = None
+    if mask is not None:
+        add, seen, causal = _additive(mask, causal, q, seen=True)
     if kernel == CPU_FLASH:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=add, scale=scale)
@@ -197,19 +209,18 @@ def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, add, True, 0.0, causal, scale=scale)
         lse = lse[..., : q.shape[2]]  # drop the +inf padding rows
-    if mask is not None:  # rows the mask hides entirely: both kernels write out 0 and LSE 0
+    if seen is not None:  # rows the mask hides entirely: both kernels write out 0 and LSE 0
         # (the CPU one checked by the tests; the efficient one since torch 2.5): LSE -inf
-        lse.masked_fill_(~mask.any(1), _NEG_INF)
+        lse.masked_fill_(~seen, _NEG_INF)
     return out, lse
 
 
 def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool,
-                    mask: torch.Tensor | None = None):
+                    mask: torch.Tensor | BlockMask | None = None):
     dout, out = _rows(dout), _rows(out)  # q, k, v: as block_backward made them
-    mask, causal = _with_causal(mask, causal)
     add = None
     if mask is not None:  # rows that saw no key (LSE -inf) take LSE +inf: probabilities 0
-        add = _additive(mask, q)
+        add, _, causal = _additive(mask, causal, q, seen=False)
         inf = float("inf")  # one op; a NaN stays NaN
         lse = torch.nan_to_num(lse, nan=float("nan"), posinf=inf, neginf=inf)
     if kernel == CPU_FLASH:
@@ -232,6 +243,8 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: 
 
 
 def _math_scores(q, k, scale, causal, mask, bias=None):
+    if isinstance(mask, BlockMask):
+        mask = mask.dense()
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:  # post-scale bias, broadcast over [B, H, Sq, Sk]
         s = s + bias.to(s.dtype)
@@ -251,17 +264,18 @@ def block_forward(
     *,
     scale: float,
     causal: bool = False,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockMask | None = None,
     bias: torch.Tensor | None = None,
     kernel: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [B,H,Sq,D] on ``k`` [B,Hkv,Sk,D], ``v`` [B,Hkv,Sk,Dv]; (out, lse).
 
     ``causal`` is top-left aligned (query i sees keys <= i); ``mask`` [Sq, Sk] marks visible
-    pairs; ``bias`` (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``kernel``: the
-    block's :func:`kernel_for` (computed when not given; counted in every active
-    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (flash),
-    fp32 (CUDA efficient) or the accumulation dtype (math); ``lse`` is [B,H,Sq].
+    pairs (booleans, or a :class:`~.blocks.BlockMask` that builds them); ``bias``
+    (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``kernel``: the block's
+    :func:`kernel_for` (computed when not given; counted in every active
+    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (flash), fp32 (CUDA efficient) or
+    the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
     q, k, v = _rows(q), _expand_kv(_rows(k), heads), _expand_kv(_rows(v), heads)
@@ -287,7 +301,7 @@ def block_backward(
     *,
     scale: float,
     causal: bool = False,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockMask | None = None,
     bias: torch.Tensor | None = None,
     kernel: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, ...]:

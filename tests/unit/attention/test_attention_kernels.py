@@ -325,7 +325,8 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     # both merges timed against one SDPA time; on the CPU auto merges eagerly: 2 blocks at
     # CP2 -> one merge a rank, 2 ranks
     assert lines[1].split()[4:9] == ["ms", "off", "ms", "auto", "SDPA"], lines[1]
-    assert rows[0].endswith("; eager 2") and rows[2].endswith("; eager 240"), rows[:3]
+    assert rows[0].endswith("; merges eager 2") and rows[2].endswith("; merges eager 240")
+    assert "; merges eager" in rows[-1] and "; masks eager" in rows[-1], rows[-1]
     assert (goal(8), goal(16)) == (1.10, 1.25)
     too_long = gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)}, "fp32",
                                [2], 1, device="cpu")
@@ -364,7 +365,7 @@ def test_grouped_halves_are_the_same_tokens_as_slices():
     def pairs(block, to_token):
         rows, cols = (torch.arange(12)[s] if isinstance(s, slice) else s
                       for s in (block.rows, block.cols))
-        mask = block.mask if block.mask is not None else torch.ones(
+        mask = block.mask.dense() if block.mask is not None else torch.ones(
             len(rows), len(cols), dtype=torch.bool).tril(0 if block.causal else 12)
         return {(int(to_token[rows[i]]), int(to_token[cols[j]]))
                 for i, j in mask.nonzero().tolist()}
