@@ -4,6 +4,8 @@ tensors), the fused kernels the blocks take, and the per-block speed against one
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
 )
 from megatron_hcp.attention.reference.block_cost import measure_block_cost
-from megatron_hcp.attention.reference.fused import fuses
+from megatron_hcp.attention.reference.fused import _Compiled, fuses
 from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
 from megatron_hcp.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
@@ -151,13 +153,16 @@ def test_block_speed_against_one_sdpa_call(report):
     for old, new in pairs:  # the blocks ran the fused kernel (the time is reported, not gated)
         assert set(new.kernels) == {(CUDA_FLASH, "")}, new.kernels
         assert set(old.merges) == {"eager"}, old.merges
+        if fuses(torch.device("cuda")):  # blocks of 32K / CP8 / 2 x 16 heads x 128: >= 2^20
+            assert set(new.merges) == {"fused"}, new.merges
 
 
 @pytest.mark.parametrize("by_index", [False, True])
 def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, by_index):
-    """On CUDA ``auto`` fuses the LSE merge (Triton): one generated kernel a merge (the
-    gather and scatters of index rows included), writing what the eager merge writes (fp32
-    accumulators, a bf16 block, rows no key reached staying 0 / -inf)."""
+    """On CUDA the fused LSE merge (Triton; ``auto`` takes it for blocks of 2^20 elements and
+    more, forced here on a small one) is one generated kernel (the gather and scatters of index
+    rows included) writing what the eager merge writes (fp32 accumulators, a bf16 block, rows
+    no key reached staying 0 / -inf)."""
     from torch._inductor.utils import run_and_get_code
 
     from megatron_hcp.attention.reference import merge as merge_module
@@ -167,12 +172,13 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
 
     if not fuses(torch.device("cuda")):
         pytest.skip(NOT_FUSED)
+    torch._dynamo.reset()  # whatever variants earlier tests compiled
     want_out, want_lse, rows, out_blk, lse_blk = _problem(torch.float32, torch.bfloat16,
                                                           by_index, device="cuda")
     got_out, got_lse = want_out.clone(), want_lse.clone()
     with fusing("off"):
         merge_into(want_out, want_lse, rows, out_blk, lse_blk)
-    with BlockCounter() as counter:
+    with BlockCounter() as counter, fusing("on"):
         merge_into(got_out, got_lse, rows, out_blk, lse_blk)
     assert counter.merges == {"fused": 1}
     torch.testing.assert_close(got_out, want_out, rtol=1e-6, atol=1e-6)
@@ -183,8 +189,7 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
                        dynamic=True, fullgraph=True)
     args = (got_out, got_lse, rows, out_blk, lse_blk) if by_index else (
         got_out[:, :, rows], got_lse[:, :, rows], out_blk, lse_blk)
-    with torch.no_grad():
-        _, code = run_and_get_code(fn, *args)
+    _, code = run_and_get_code(functools.partial(_Compiled()._call, fn), args)
     kernels = generated_kernels(code)
     report(1, f"kernels generated: {kernels}; max error vs eager "
               f"{(got_out - want_out).abs().max().item():.1e}")
@@ -192,9 +197,9 @@ def test_the_fused_merge_is_one_triton_kernel_as_exact_as_the_eager_one(report, 
 
 
 def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
-    """On CUDA ``auto`` builds a masked block's additive mask (packed sequences, a window) in
-    one Triton kernel: value for value the eager mask, rows 16-element aligned as the
-    efficient kernel reads them, with the same rows that see no key."""
+    """On CUDA the fused additive mask of a masked block (packed sequences, a window; forced on
+    a small block here) is one Triton kernel: value for value the eager mask, rows 16-element
+    aligned as the efficient kernel reads them, with the same rows that see no key."""
     from torch._inductor.utils import run_and_get_code
 
     from megatron_hcp.attention.reference.blocks import BlockMask, _additive_fused
@@ -203,6 +208,7 @@ def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
 
     if not fuses(torch.device("cuda")):
         pytest.skip(NOT_FUSED)
+    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(7)
 
     def meta(n):
@@ -213,15 +219,15 @@ def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
     mask = BlockMask(meta(50), meta(70), True, (9, 0))
     with fusing("off"):
         want, want_seen = mask.additive(torch.bfloat16, 80)
-    with BlockCounter() as counter:
+    with BlockCounter() as counter, fusing("on"):
         got, seen = mask.additive(torch.bfloat16, 80)
     assert counter.masks == {"fused": 1} and got.stride() == (80, 1)
     assert torch.equal(got, want) and torch.equal(seen, want_seen)
     assert torch.equal(got == 0, mask.dense())
     torch._dynamo.reset()
     fn = torch.compile(_additive_fused, dynamic=True, fullgraph=True)
-    with torch.no_grad():
-        _, code = run_and_get_code(fn, *mask.q, *mask.k, 9, 0, 80, torch.bfloat16)
+    _, code = run_and_get_code(functools.partial(_Compiled()._call, fn),
+                               (*mask.q, *mask.k, 9, 0, 80, torch.bfloat16))
     kernels = generated_kernels(code)
     report(1, f"kernels generated: {kernels}")
     assert len(kernels) == 1 and kernels[0].startswith("triton_"), kernels

@@ -228,7 +228,7 @@ class BlockMask:
         ``None`` where not ``seen`` is asked for and the work is eager)."""
         rows, cols = self.shape
         width = cols if width is None else width
-        if fuses(self.device):
+        if fuses(self.device, rows * cols):
             left, right = self.window if self.window is not None else (-1, -1)
             left, right = (_UNBOUNDED if x < 0 else x for x in (left, right))
             if self.causal:  # keys at most 0 tokens after the query

@@ -10,15 +10,18 @@ does not compile again; the first call of each in a process compiles (seconds).
 ``MEGATRON_HCP_FUSED_OPS`` chooses, read at every call (:func:`fused_mode` validates it):
 
 * ``auto`` (the default) - fused on CUDA where Triton and a C compiler (which Triton builds
-  its launcher with) are found, eager elsewhere. Should the first compile fail all the same,
-  one warning names the error and the work stays eager in this process: a faster merge is
-  never a reason to stop training;
+  its launcher with) are found, for blocks of at least :data:`MIN_FUSED_ELEMENTS` elements
+  (smaller ones gain nothing: a compiled call's host time exceeds the launches it saves);
+  eager elsewhere. Should the first compile fail all the same, one warning names the error
+  and the work stays eager in this process: a faster merge is never a reason to stop
+  training;
 * ``on`` - fused on every device (the CPU needs a C++ compiler, as inductor does); a compile
   error is raised;
 * ``off`` - eager everywhere (where ``torch.compile`` is not wanted).
 
 Dynamo's recompile limit (a compiled variant per dtype and special shape, 8 per function)
-makes further variants eager, with one warning.
+makes that function eager from then on, with one warning. Never fused: inside another
+``torch.compile``, under a Python dispatch mode, while a CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .seq_layout import CPAttentionError
 
-__all__ = ["FUSED_ENV", "FUSED_MODES", "fused_mode", "fuses", "fusing", "run_fused"]
+__all__ = ["FUSED_ENV", "FUSED_MODES", "MIN_FUSED_ELEMENTS", "fused_mode", "fuses", "fusing",
+           "run_fused"]
 
 FUSED_ENV = "MEGATRON_HCP_FUSED_OPS"
 FUSED_MODES = ("auto", "on", "off")
@@ -85,18 +89,38 @@ def _triton_runs() -> bool:
     return bool(has_triton()) and compiler is not None
 
 
-def fuses(device: torch.device) -> bool:
-    """Whether the elementwise work on ``device`` takes the fused kernels (module docstring).
-    Never inside another ``torch.compile`` (the user's, tracing the attention: the eager ops
-    go into its graph and its own compiler fuses them) nor under a Python dispatch mode (a
-    FLOP counter, a fake-tensor trace, the launch counter: they want to see the ops, and
-    dynamo does not compile under them)."""
+# ``auto`` fuses a merge or mask of at least this many elements: a compiled call costs more
+# host time than the eager ops' launches (guards, the runtime wrapper: tens of microseconds),
+# which only a block large enough to keep the GPU busy longer hides; smaller blocks (and the
+# many small shapes of a test suite, each a compiled variant) stay eager
+MIN_FUSED_ELEMENTS = 1 << 20
+
+
+def fuses(device: torch.device, elements: int | None = None) -> bool:
+    """Whether elementwise work of ``elements`` elements on ``device`` takes the fused kernel
+    (module docstring; ``auto``: CUDA, Triton, at least :data:`MIN_FUSED_ELEMENTS`). Never
+    inside another ``torch.compile`` (the user's, tracing the attention: the eager ops go into
+    its graph and its own compiler fuses them), under a Python dispatch mode (a FLOP counter, a
+    fake-tensor trace, the launch counter: they want to see the ops, and dynamo does not
+    compile under them) or while a CUDA graph is being captured (a new variant would compile
+    and tune its kernel inside the capture)."""
     mode = fused_mode()
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if mode == "off" or torch.compiler.is_dynamo_compiling() or (
+            _get_current_dispatch_mode() is not None):
         return False
-    if mode == "auto":
-        return device.type == "cuda" and _triton_runs() and not _compiled().failed
-    return mode == "on"
+    if mode == "auto" and not (
+            device.type == "cuda" and (elements is None or elements >= MIN_FUSED_ELEMENTS)
+            and _triton_runs() and not _compiled().failed):
+        return False
+    return device.type != "cuda" or not _capturing()
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no CUDA here: no)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a torch without CUDA
+        return False
 
 
 def _at_recompile_limit(err: BaseException | None) -> bool:
@@ -109,17 +133,24 @@ def _at_recompile_limit(err: BaseException | None) -> bool:
     return False
 
 
+def _compile_error(err: BaseException) -> bool:
+    """Whether ``err`` came from compiling (dynamo or its backend), not from running."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(err, TorchDynamoException)
+
+
 class _Compiled:
-    """The fused functions of this process (compiled on first use) and whether ``auto`` found
-    that they cannot compile here. Calls hold a lock: ranks that are threads of one process
-    (tests/gpu) would otherwise compile and look up the same cache at once, which dynamo
-    does not expect (it recompiles until its limit)."""
+    """The fused functions of this process (compiled on first use), those past dynamo's
+    recompile limit, and whether ``auto`` found that nothing compiles here. Calls hold a lock:
+    ranks that are threads of one process (tests/gpu) would otherwise compile and look up the
+    same cache at once, which dynamo does not expect (it recompiles until its limit)."""
 
     def __init__(self) -> None:
         self.failed = False
         self._fns: dict[Callable[..., Any], Callable[..., Any]] = {}
         self._worked = False
-        self._at_limit = False
+        self._saturated: set[Callable[..., Any]] = set()
         self._lock = threading.Lock()
 
     def _fn(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,29 +174,42 @@ class _Compiled:
                 shapes.use_duck_shape = duck
 
     def run(self, fn: Callable[..., Any], args: tuple) -> tuple[bool, Any]:
-        """``(True, result)`` of the compiled ``fn``; ``(False, None)`` where this call must
-        run eagerly: ``auto``'s first compile in this process failed, or dynamo's recompile
-        limit for ``fn`` is reached (both warned once)."""
+        """``(True, result)`` of the compiled ``fn``, or ``(False, None)`` where this call
+        runs eagerly instead (each reason warned once):
+
+        * ``fn`` reached dynamo's recompile limit: it stays eager from then on (a call past
+          the limit costs dynamo a millisecond of guard checks and a log, every time);
+        * ``auto`` and compiling failed: the first time anything is compiled in this process,
+          for any error (fusing is then off in this process); later, for a compile error of a
+          new variant (that call eager). ``on`` raises both.
+
+        Errors of running (out of memory, a CUDA error) are raised, whatever the mode."""
+        if fn in self._saturated:
+            return False, None
         try:
             result = self._call(self._fn(fn), args)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as err:  # noqa: BLE001 - compile errors come in many types
             if _at_recompile_limit(err):
-                if not self._at_limit:
-                    self._at_limit = True
-                    warnings.warn(
-                        f"megatron-hcp: the fused {fn.__name__} reached torch._dynamo's "
-                        "recompile limit (a compiled variant per dtype and special shape); "
-                        "further variants run eagerly (correct, slower)",
-                        RuntimeWarning, stacklevel=4)
+                self._saturated.add(fn)
+                warnings.warn(
+                    f"megatron-hcp: the fused {fn.__name__} reached torch._dynamo's "
+                    "recompile limit (a compiled variant per dtype pair and special shape); "
+                    "it runs eagerly from now on in this process (correct, slower)",
+                    RuntimeWarning, stacklevel=4)
                 return False, None
-            if self._worked or fused_mode() == "on":
+            first = not self._worked
+            if fused_mode() == "on" or not (first or _compile_error(err)):
                 raise
-            self.failed = True
+            self.failed = self.failed or first
             warnings.warn(
-                f"megatron-hcp: the attention's fused merges and masks did not compile here "
-                f"({type(err).__name__}: {err}); they run eagerly in this process (correct, "
-                f"slower). Set {FUSED_ENV}=off to skip the attempt, or =on to raise the error",
-                RuntimeWarning, stacklevel=4)
+                f"megatron-hcp: the attention's fused {fn.__name__} did not compile here "
+                f"({type(err).__name__}: {err}); "
+                + ("fused merges and masks are off in this process" if first else
+                   "this call runs eagerly")
+                + f" (correct, slower). Set {FUSED_ENV}=off to skip the attempt, or =on to "
+                "raise the error", RuntimeWarning, stacklevel=4)
             return False, None
         self._worked = True
         return True, result

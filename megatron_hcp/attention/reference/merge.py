@@ -32,7 +32,7 @@ def _merge_rows(out: torch.Tensor, lse: torch.Tensor, out_blk: torch.Tensor,
     if empty_rows:  # rows no key reached yet, before and in this block (-inf - -inf): out 0
         w = w.nan_to_num_(nan=0.0)
     out.lerp_(out_blk.to(out.dtype), w.unsqueeze(-1))
-    if torch.compiler.is_compiling():  # dynamo takes no out=; the copy fuses into the kernel
+    if torch.compiler.is_dynamo_compiling():  # dynamo takes no out=; the copy fuses into the kernel
         lse.copy_(torch.logaddexp(lse, lse_b))
     else:
         torch.logaddexp(lse, lse_b, out=lse)
@@ -101,7 +101,7 @@ def merge_into(
         name, args = "rows", (out_acc[:, :, rows], lse_acc[:, :, rows], out_blk, lse_blk)
     else:
         name, args = "index", (out_acc, lse_acc, rows, out_blk, lse_blk)
-    if fuses(out_acc.device) and run_fused(FUSED[name, empty_rows], *args)[0]:
+    if fuses(out_acc.device, out_blk.numel()) and run_fused(FUSED[name, empty_rows], *args)[0]:
         record_merge("fused")
         return
     (_merge_rows if name == "rows" else _merge_index)(*args, empty_rows)

@@ -7,6 +7,7 @@ Compiling starts inductor's compile worker processes, so the tests that compile 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -80,7 +81,6 @@ def test_the_fused_merge_is_the_eager_merge(monkeypatch, dtype, block_dtype, by_
         merge_into(got_out, got_lse, rows, out_blk, lse_blk)
     assert (eager.merges, fused.merges) == ({"eager": 1}, {"fused": 1})
     assert not got_out.isnan().any() and not got_lse.isnan().any()
-    assert got_out.stride() == want_out.stride()  # written in place, in the same memory
     tol = 1e-14 if dtype == torch.float64 else 1e-6
     torch.testing.assert_close(got_out, want_out, rtol=tol, atol=tol)
     torch.testing.assert_close(got_lse, want_lse, rtol=tol, atol=tol)
@@ -96,7 +96,9 @@ def test_a_fused_merge_is_one_kernel_for_every_block_size(by_index):
 
     torch._dynamo.reset()  # compile afresh here, whatever ran before in this process
     key = ("index" if by_index else "rows", True)
-    fn = torch.compile(merge_module.FUSED[key], dynamic=True, fullgraph=True)
+    compiled = fused_module._Compiled()  # as production calls it (no grad, no duck sizing)
+    fn = functools.partial(compiled._call,
+                           torch.compile(merge_module.FUSED[key], dynamic=True, fullgraph=True))
 
     def args(seq):
         out, lse, rows, out_blk, lse_blk = _problem(torch.float32, torch.bfloat16, by_index,
@@ -105,11 +107,11 @@ def test_a_fused_merge_is_one_kernel_for_every_block_size(by_index):
             return out, lse, rows, out_blk, lse_blk
         return out[:, :, rows], lse[:, :, rows], out_blk, lse_blk
 
-    _, code = run_and_get_code(fn, *args(20))
+    _, code = run_and_get_code(fn, args(20))
     kernels = generated_kernels(code)
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused_"), kernels
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    fn(*args(26))
+    fn(args(26))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
 
 
@@ -192,21 +194,78 @@ def test_auto_works_eagerly_when_compiling_fails(monkeypatch):
         compiled.run(merge_module.FUSED["rows", True], args)
 
 
-def test_calls_past_the_recompile_limit_run_eagerly(monkeypatch):
-    """Dynamo refusing another compiled variant (its recompile limit) makes that call eager,
-    with one warning, and does not turn fusing off for the variants it has."""
-    def at_limit(*args):
-        raise RuntimeError("Dynamo recompile limit exceeded (recompile_limit = 8)")
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after the test (which fills them, or limits them)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.multirank
+def test_a_function_past_the_recompile_limit_stays_eager(monkeypatch, fresh_dynamo):
+    """Dynamo refusing another compiled variant (its real recompile limit, set to 1 here)
+    makes that call eager with one warning, and the function eager from then on - also for
+    the variant it had - without asking dynamo again (each refused call costs it a
+    millisecond and a log); other functions still fuse."""
+    compiled = fused_module._Compiled()
+    monkeypatch.setenv(FUSED_ENV, "on")
+    fn = merge_module.FUSED["rows", True]
+
+    def args(dtype):
+        out, lse, rows, out_blk, lse_blk = _problem(dtype, dtype, False)
+        return out[:, :, rows], lse[:, :, rows], out_blk, lse_blk
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert compiled.run(fn, args(torch.float64))[0]
+        with pytest.warns(RuntimeWarning, match=r"fused _fused_rows_masked reached "
+                                                r"torch._dynamo's recompile limit") as seen:
+            assert compiled.run(fn, args(torch.float32)) == (False, None)
+            assert compiled.run(fn, args(torch.float64)) == (False, None)
+        assert len(seen) == 1 and not compiled.failed
+        assert compiled.run(merge_module.FUSED["rows", False], args(torch.float64))[0]
+
+
+def test_errors_of_running_are_raised_and_compile_errors_of_a_new_variant_fall_back(
+        monkeypatch):
+    """After fusing worked once, ``auto`` falls back for one call on a compile error (dynamo's
+    exception types) and raises an error of running; out-of-memory is raised even on the first
+    call, and does not turn fusing off."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    monkeypatch.setenv(FUSED_ENV, "auto")
+    errors = iter([torch.OutOfMemoryError("out of memory"), None,
+                   TorchDynamoException("a new variant failed"), RuntimeError("bad launch")])
+
+    def step(*args):
+        err = next(errors)
+        if err is not None:
+            raise err
+        return "done"
 
     compiled = fused_module._Compiled()
-    monkeypatch.setattr(compiled, "_fn", lambda fn: at_limit)
+    monkeypatch.setattr(compiled, "_fn", lambda fn: step)
+    with pytest.raises(torch.OutOfMemoryError):
+        compiled.run(merge_into, ())
+    assert not compiled.failed and compiled.run(merge_into, ()) == (True, "done")
+    with pytest.warns(RuntimeWarning, match="a new variant failed.*this call runs eagerly"):
+        assert compiled.run(merge_into, ()) == (False, None)
+    assert not compiled.failed
+    with pytest.raises(RuntimeError, match="bad launch"):
+        compiled.run(merge_into, ())
+
+
+def test_auto_fuses_blocks_large_enough_on_cuda_only(monkeypatch):
+    """``auto`` fuses CUDA work of at least MIN_FUSED_ELEMENTS elements where Triton runs:
+    smaller blocks save less launch time than a compiled call costs on the host."""
+    monkeypatch.setattr(fused_module, "_triton_runs", lambda: True)
+    monkeypatch.setattr(fused_module, "_compiled", lambda: fused_module._Compiled())
+    monkeypatch.setenv(FUSED_ENV, "auto")
+    cuda, least = torch.device("cuda", 0), fused_module.MIN_FUSED_ELEMENTS
+    assert fuses(cuda, least) and fuses(cuda) and not fuses(cuda, least - 1)
+    assert not fuses(torch.device("cpu"), least)
     monkeypatch.setenv(FUSED_ENV, "on")
-    out, lse, rows, out_blk, lse_blk = _problem(torch.float64, torch.float64, False)
-    args = (out[:, :, rows], lse[:, :, rows], out_blk, lse_blk)
-    with pytest.warns(RuntimeWarning, match="reached torch._dynamo's recompile limit") as seen:
-        for _ in range(3):
-            assert compiled.run(merge_module.FUSED["rows", True], args) == (False, None)
-    assert len(seen) == 1 and not compiled.failed
+    assert fuses(cuda, 1) and fuses(torch.device("cpu"), 1)
 
 
 @pytest.mark.multirank
@@ -272,11 +331,12 @@ def test_a_fused_mask_is_one_kernel():
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    fn = torch.compile(_additive_fused, dynamic=True, fullgraph=True)
+    compiled = fused_module._Compiled()
+    fn = functools.partial(compiled._call,
+                           torch.compile(_additive_fused, dynamic=True, fullgraph=True))
     gen = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        _, code = run_and_get_code(fn, *_meta(12, gen, 20), *_meta(21, gen, 20), 5, 0, 32,
-                                   torch.bfloat16)
+    _, code = run_and_get_code(fn, (*_meta(12, gen, 20), *_meta(21, gen, 20), 5, 0, 32,
+                                    torch.bfloat16))
     kernels = generated_kernels(code)
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused_"), kernels
 
