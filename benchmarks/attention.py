@@ -27,7 +27,9 @@ mean and max/mean: the contiguous layout's causal imbalance is in the table).
 ``--launches`` prints the CPU proxy of the backend's GPU overhead (issue #34): aten kernels
 one rank launches for one step (forward + backward) of every comm type and feature
 (:mod:`megatron_hcp.attention.reference.launch_proxy`, 4 gloo ranks, max over the ranks), with
-the forward's attention kernels apart and the ops launched most.
+the forward's attention kernels apart and the ops launched most: once with the merges and masks
+eager (what the CPU runs), once counting each as the one kernel ``MEGATRON_HCP_FUSED_OPS`` makes
+of it on a GPU.
 ``.venv/bin/python benchmarks/attention.py --launches``
 
 ``--device cuda`` (one GPU) measures instead the backend's compute per CP block
@@ -334,15 +336,17 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
     return lines
 
 
-def launch_table(per_rank: list[list]) -> list[str]:
+def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
     """Lines of the --launches table (module docstring) from every rank's
-    ``launch_proxy.rank_launches()``."""
+    ``launch_proxy.rank_launches(fused=fused)``."""
     from megatron_hcp.attention.reference.launch_proxy import CASES
 
     header = (f"{'case':<20} {'blocks':>6} {'attn':>5} {'forward':>8} {'backward':>9} "
               f"{'total':>6} {'syncs':>6}  most launched (forward | backward)")
     lines = [f"kernels per rank per step, max over {len(per_rank)} ranks; torch "
-             f"{torch.__version__}, CPU; S=512 heads=8 d=64 fp32 causal (see launch_proxy)",
+             f"{torch.__version__}, CPU; S=512 heads=8 d=64 fp32 causal (see launch_proxy); "
+             + ("each merge and mask counted as its one fused kernel" if fused else
+                "merges and masks eager"),
              header, "-" * len(header)]
     for i, case in enumerate(CASES):
         fwd, bwd, blocks = max((rank[i] for rank in per_rank),
@@ -397,7 +401,8 @@ def main() -> None:
         from megatron_hcp.attention.reference.launch_proxy import rank_launches
 
         with LocalWorld(WORLD, timeout_s=600) as world:
-            print("\n".join(launch_table(world.run(rank_launches))))
+            for fused in (False, True):
+                print("\n".join(launch_table(world.run(rank_launches, fused=fused), fused)))
         return
     gpu = args.device == "cuda"
     s = args.seq or (32768 if gpu else 4096)

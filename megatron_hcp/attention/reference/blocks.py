@@ -30,6 +30,7 @@ from functools import lru_cache
 import torch
 
 from .fused import fuses, run_fused
+from .launches import fused_region
 from .seq_layout import SeqLayout
 
 __all__ = ["Block", "BlockCounter", "BlockMask", "Window", "plan_block", "record_block",
@@ -238,12 +239,14 @@ class BlockMask:
             if done:
                 record_mask("fused")
                 return result
-        visible = self.dense()
-        add = torch.full((rows, width), float("-inf"), dtype=dtype, device=self.device)
-        add = add[:, :cols]
-        add.masked_fill_(visible, 0.0)
+        with fused_region("megatron_hcp::fused_mask"):  # the fused path: one kernel
+            visible = self.dense()
+            add = torch.full((rows, width), float("-inf"), dtype=dtype, device=self.device)
+            add = add[:, :cols]
+            add.masked_fill_(visible, 0.0)
+            seen_rows = visible.any(1) if seen else None
         record_mask("eager")
-        return add, visible.any(1) if seen else None
+        return add, seen_rows
 
 
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory

@@ -110,10 +110,11 @@ def _inputs(case: LaunchCase, position: int, device: torch.device):
             for x in full], meta
 
 
-def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu"
-                  ) -> list[tuple[LaunchCount, LaunchCount, int]]:
+def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
+                  fused: bool = False) -> list[tuple[LaunchCount, LaunchCount, int]]:
     """On every rank of the world: (forward, backward, forward blocks) of each case's step.
-    Cases whose CP size does not divide the world are refused."""
+    Cases whose CP size does not divide the world are refused. ``fused``: every merge and mask
+    counted as the one kernel :mod:`.fused` makes of it (:func:`~.launches.count_launches`)."""
     world = dist.get_world_size()
     for case in cases:
         if world % case.cp:
@@ -129,7 +130,8 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu"
                       window_size=case.window, cp_partition_mode=case.mode, **meta)
         context_parallel_attention(q, k, v, **kwargs).backward(dout)  # warm-up
         with BlockCounter() as blocks:
-            result, forward = count_launches(context_parallel_attention, q, k, v, **kwargs)
-        _, backward = count_launches(result.backward, dout)
+            result, forward = count_launches(context_parallel_attention, q, k, v, fused=fused,
+                                             **kwargs)
+        _, backward = count_launches(result.backward, dout, fused=fused)
         out.append((forward, backward, len(blocks.computed)))
     return out

@@ -19,18 +19,25 @@ Counts are deterministic for given shapes, code and torch release, so a test can
 budget: a change that adds launches to CP attention fails on the CPU, in CI (issue #34). On the
 CPU every op is counted; on a GPU the ops on host metadata (packing, permutations) are host
 work rather than launches - the same overhead, paid on the host.
+
+``fused=True`` counts the work that :mod:`.fused` compiles into one kernel (a merge, a block's
+mask: each inside :func:`fused_region`) as that one kernel, named by its region - what a GPU
+launches with ``MEGATRON_HCP_FUSED_OPS`` fusing them (the tests check that inductor generates one
+kernel for each); the ops still run eagerly here, where the counter watches them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["NO_KERNEL", "SYNC", "LaunchCount", "count_launches"]
+__all__ = ["NO_KERNEL", "SYNC", "LaunchCount", "count_launches", "fused_region"]
 
 # aten ops that launch no kernel: allocations and metadata (views are found by their schema)
 NO_KERNEL = frozenset(f"aten::{name}" for name in (
@@ -60,10 +67,12 @@ class LaunchCount:
 
 
 class _Watch(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.kernels: Counter = Counter()
         self.syncs = 0
+        self.fused = fused
+        self.in_region = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -71,15 +80,43 @@ class _Watch(TorchDispatchMode):
         if name.startswith("aten::"):
             if name in SYNC:
                 self.syncs += 1
-            if not (func.is_view or name in NO_KERNEL or name == "aten::_local_scalar_dense"):
+            if not (func.is_view or name in NO_KERNEL or name == "aten::_local_scalar_dense"
+                    or self.in_region):
                 self.kernels[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_launches(fn: Callable[..., Any], *args: Any, **kwargs: Any
+# the launch counter of this thread's code, where one counts (fused regions report to it)
+_WATCHING: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar(
+    "megatron_hcp_launch_watch", default=None)
+
+
+@contextlib.contextmanager
+def fused_region(name: str) -> Iterator[None]:
+    """Work that :mod:`.fused` compiles into one kernel, run eagerly here: a counter with
+    ``fused=True`` counts it as one kernel ``name``; otherwise nothing changes."""
+    watch = _WATCHING.get()
+    if watch is None or not watch.fused:
+        yield
+        return
+    watch.in_region += 1
+    try:
+        yield
+    finally:
+        watch.in_region -= 1
+        if not watch.in_region:
+            watch.kernels[name] += 1
+
+
+def count_launches(fn: Callable[..., Any], *args: Any, fused: bool = False, **kwargs: Any
                    ) -> tuple[Any, LaunchCount]:
     """Run ``fn(*args, **kwargs)`` and return its result and what it launched (module
-    docstring)."""
-    with _Watch() as watch:
-        result = fn(*args, **kwargs)
+    docstring; ``fused``: each :func:`fused_region` counted as one kernel)."""
+    token = None
+    with _Watch(fused) as watch:
+        token = _WATCHING.set(watch)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _WATCHING.reset(token)
     return result, LaunchCount(dict(watch.kernels), watch.syncs)

@@ -19,6 +19,7 @@ import torch
 
 from .blocks import record_merge
 from .fused import fuses, run_fused
+from .launches import fused_region
 
 __all__ = ["merge_into"]
 
@@ -104,5 +105,6 @@ def merge_into(
     if fuses(out_acc.device, out_blk.numel()) and run_fused(FUSED[name, empty_rows], *args)[0]:
         record_merge("fused")
         return
-    (_merge_rows if name == "rows" else _merge_index)(*args, empty_rows)
+    with fused_region("megatron_hcp::fused_merge"):  # what the fused path launches: one kernel
+        (_merge_rows if name == "rows" else _merge_index)(*args, empty_rows)
     record_merge("eager")

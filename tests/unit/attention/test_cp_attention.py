@@ -769,6 +769,13 @@ LAUNCH_BUDGET = {
 # which the CPU proxy cannot tell from a device read); the window's trimming is read once per
 # packing, not per block (before: 8 reads a step)
 SYNC_BUDGET = {"p2p cp4 thd": 4, "p2p cp4 thd 1 seq": 4}
+# the same steps with each merge and mask counted as the one kernel MEGATRON_HCP_FUSED_OPS makes
+# of it on a GPU (launches.fused_region)
+LAUNCH_BUDGET_FUSED = {
+    "p2p cp2": 21, "p2p cp4": 35, "p2p cp4 bf16": 39, "p2p cp4 contiguous": 32, "p2p cp4 thd": 66,
+    "p2p cp4 thd 1 seq": 58, "p2p cp4 gqa": 59, "p2p cp4 mla": 132, "p2p cp4 window": 70,
+    "all_gather cp4": 41, "a2a cp4": 34, "a2a+p2p cp4": 41,
+}
 
 
 @pytest.mark.multirank
@@ -780,17 +787,29 @@ def test_kernel_launches_per_step_stay_within_budget(world):
     from benchmarks.attention import launch_table
     from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
 
-    assert sorted(LAUNCH_BUDGET) == sorted(c.name for c in CASES)
+    assert sorted(LAUNCH_BUDGET) == sorted(LAUNCH_BUDGET_FUSED) == sorted(c.name for c in CASES)
     per_rank = world.run(rank_launches)
+    fused_per_rank = world.run(rank_launches, fused=True)
     over = {}
-    for i, case in enumerate(CASES):
-        counts = [(fwd.kernels + bwd.kernels, fwd, bwd) for fwd, bwd, _ in
-                  (rank[i] for rank in per_rank)]
-        total, fwd, bwd = max(counts, key=lambda c: c[0])
-        syncs = max(f.syncs + b.syncs for f, b, _ in (rank[i] for rank in per_rank))
-        if total > LAUNCH_BUDGET[case.name] or syncs > SYNC_BUDGET.get(case.name, 0):
-            over[case.name] = (total, fwd.line(), bwd.line())
+    for budget, ranks, how in ((LAUNCH_BUDGET, per_rank, "eager"),
+                               (LAUNCH_BUDGET_FUSED, fused_per_rank, "fused")):
+        for i, case in enumerate(CASES):
+            counts = [(fwd.kernels + bwd.kernels, fwd, bwd) for fwd, bwd, _ in
+                      (rank[i] for rank in ranks)]
+            total, fwd, bwd = max(counts, key=lambda c: c[0])
+            syncs = max(f.syncs + b.syncs for f, b, _ in (rank[i] for rank in ranks))
+            if total > budget[case.name] or syncs > SYNC_BUDGET.get(case.name, 0):
+                over[f"{case.name} ({how})"] = (total, fwd.line(), bwd.line())
     assert not over, f"launches over budget (total, forward, backward): {over}"
+    # fused: a ring step's merge is one kernel, a masked block's mask one forward and one
+    # backward
+    for i, case in enumerate(CASES):
+        fwd, bwd, _ = fused_per_rank[0][i]
+        merges = fwd.by_op.get("megatron_hcp::fused_merge", 0)
+        masks = fwd.by_op.get("megatron_hcp::fused_mask", 0)
+        assert masks == bwd.by_op.get("megatron_hcp::fused_mask", 0), case.name
+        assert (masks > 0) == (case.fmt == "thd" or case.window is not None), case.name
+        assert merges == per_rank[0][i][2] - 1 or case.comm == "all_gather", (case.name, merges)
     # p2p cp4: 4 blocks, each one attention kernel; 3 merges of at most 4 kernels each
     fwd, _, blocks = per_rank[0][CASES.index(next(c for c in CASES if c.name == "p2p cp4"))]
     attention = sum(n for op, n in fwd.by_op.items() if "attention" in op)

@@ -44,3 +44,26 @@ def test_host_reads_are_syncs():
     _, count = count_launches(lambda: (x.sum().item(), bool(x.any()), x.nonzero()))
     assert count.syncs == 3, count
     assert "syncs" in count.line() and "kernels" in count.line()
+
+
+def test_fused_regions_count_as_one_kernel_when_asked():
+    """``fused=True``: the ops inside a fused region (nested ones included) count as one kernel
+    named by the region, as the fused path launches them; otherwise each op counts, and a
+    region outside any counter changes nothing."""
+    from megatron_hcp.attention.reference.launches import fused_region
+
+    x = torch.randn(4, 6)
+
+    def step():
+        with fused_region("megatron_hcp::fused_merge"):
+            y = torch.sigmoid(x) * 2
+            with fused_region("megatron_hcp::inner"):
+                y = y.lerp(x, 0.5)
+        return (y + 1).sum()
+
+    want, eager = count_launches(step)
+    assert eager.by_op == {"aten::sigmoid": 1, "aten::mul": 1, "aten::lerp": 1,
+                           "aten::add": 1, "aten::sum": 1}, eager.by_op
+    got, fused = count_launches(step, fused=True)
+    assert fused.by_op == {"megatron_hcp::fused_merge": 1, "aten::add": 1, "aten::sum": 1}
+    assert torch.equal(got, want) and torch.equal(step(), want)
