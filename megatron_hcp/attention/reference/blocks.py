@@ -185,15 +185,18 @@ _UNBOUNDED = 2**62
 def _additive_fused(q_seq, q_pos, q_ok, k_seq, k_pos, k_ok, left: int, right: int,
                     width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_mask` as the fused kernels' additive mask (0 / ``-inf`` in ``dtype``, its rows
-    ``width`` apart) and which rows see any key, in one kernel when compiled: keys ``left``
-    to ``right`` tokens from the query (causal: ``right`` 0)."""
+    ``width`` apart) and which rows see any key: keys ``left`` to ``right`` tokens from the
+    query (causal: ``right`` 0). The keys are padded to ``width`` as keys no query sees, so
+    the mask, its padding and the rows' reduction run over one [rows, width] range: one
+    kernel when compiled, no [rows, cols] buffer in between."""
+    cols = k_seq.shape[0]
+    k_seq, k_pos = (torch.nn.functional.pad(t, (0, width - cols)) for t in (k_seq, k_pos))
+    k_ok = torch.nn.functional.pad(k_ok, (0, width - cols), value=False)
     visible = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
     gap = q_pos[:, None] - k_pos[None, :]
     visible = visible & (gap <= left) & (-gap <= right)
     add = torch.where(visible, 0.0, float("-inf")).to(dtype)
-    cols = add.shape[1]
-    padded = torch.nn.functional.pad(add, (0, width - cols), value=float("-inf"))
-    return padded[:, :cols], visible.any(1)
+    return add[:, :cols], visible.any(1)
 
 
 @dataclass(frozen=True, eq=False)

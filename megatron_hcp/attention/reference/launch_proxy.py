@@ -115,6 +115,10 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
     """On every rank of the world: (forward, backward, forward blocks) of each case's step.
     Cases whose CP size does not divide the world are refused. ``fused``: every merge and mask
     counted as the one kernel :mod:`.fused` makes of it (:func:`~.launches.count_launches`)."""
+    if fused and device != "cpu":
+        raise ValueError(f"rank_launches(fused=True, device={device!r}): fused regions are "
+                         "counted on the CPU only (on CUDA the backward runs on threads that do "
+                         "not see the counter); use device='cpu'")
     world = dist.get_world_size()
     for case in cases:
         if world % case.cp:

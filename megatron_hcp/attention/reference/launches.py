@@ -20,10 +20,14 @@ budget: a change that adds launches to CP attention fails on the CPU, in CI (iss
 CPU every op is counted; on a GPU the ops on host metadata (packing, permutations) are host
 work rather than launches - the same overhead, paid on the host.
 
-``fused=True`` counts the work that :mod:`.fused` compiles into one kernel (a merge, a block's
-mask: each inside :func:`fused_region`) as that one kernel, named by its region - what a GPU
-launches with ``MEGATRON_HCP_FUSED_OPS`` fusing them (the tests check that inductor generates one
-kernel for each); the ops still run eagerly here, where the counter watches them.
+``fused=True`` counts the work that :mod:`.fused` compiles (a merge, a block's mask: each inside
+:func:`fused_region`) as the kernels the compiled function launches on a GPU, named by its
+region - what a GPU launches with ``MEGATRON_HCP_FUSED_OPS`` fusing them; the ops still run
+eagerly here, where the counter watches them. Those kernel counts are inductor's expected Triton
+kernels (a mask 1, a merge over a slice of rows 2, over gathered rows 4: work over [rows] and
+over [rows, head dim] do not share a kernel); the CPU backend puts a compiled function into one
+C++ function, so the CPU cannot confirm them and ``tests/gpu`` checks them. CPU only: on CUDA
+the autograd engine runs the backward on threads that do not see the counter's context.
 """
 
 from __future__ import annotations
@@ -92,9 +96,10 @@ _WATCHING: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def fused_region(name: str) -> Iterator[None]:
-    """Work that :mod:`.fused` compiles into one kernel, run eagerly here: a counter with
-    ``fused=True`` counts it as one kernel ``name``; otherwise nothing changes."""
+def fused_region(name: str, kernels: int = 1) -> Iterator[None]:
+    """Work that :mod:`.fused` compiles, run eagerly here: a counter with ``fused=True``
+    counts it as the ``kernels`` kernels of the compiled function, under ``name``; otherwise
+    nothing changes."""
     watch = _WATCHING.get()
     if watch is None or not watch.fused:
         yield
@@ -105,7 +110,7 @@ def fused_region(name: str) -> Iterator[None]:
     finally:
         watch.in_region -= 1
         if not watch.in_region:
-            watch.kernels[name] += 1
+            watch.kernels[name] += kernels
 
 
 def count_launches(fn: Callable[..., Any], *args: Any, fused: bool = False, **kwargs: Any

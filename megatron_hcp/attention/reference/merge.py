@@ -9,8 +9,9 @@ a row is copied in (what the merge gives on an output of 0 and an LSE of ``-inf`
   have rows that see no key (their ``w`` is NaN: set to 0), one more where the block output is
   in half precision (its conversion to the fp32 accumulator), and a gather and two scatters
   where the block's rows are an index (a window's trimmed rows).
-* **fused** - the same ops as one kernel (:mod:`.fused`: ``MEGATRON_HCP_FUSED_OPS``), the
-  gather and scatters included.
+* **fused** - the same ops as one compiled function (:mod:`.fused`:
+  ``MEGATRON_HCP_FUSED_OPS``), the gather and scatters included: :data:`FUSED_KERNELS` Triton
+  kernels expected on a GPU.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def _fused_index_masked(*args) -> None:
     _merge_index(*args, True)
 
 
+# the Triton kernels of a fused merge, as inductor is expected to split it (the LSE over
+# [rows] and the output over [rows, head dim] cannot share one; gathered rows add a scatter
+# each): what the launch proxy counts, and at most what tests/gpu accepts
+FUSED_KERNELS = {"rows": 2, "index": 4}
+
 FUSED = {("rows", False): _fused_rows_dense, ("rows", True): _fused_rows_masked,
           ("index", False): _fused_index_dense, ("index", True): _fused_index_masked}
 
@@ -105,6 +111,6 @@ def merge_into(
     if fuses(out_acc.device, out_blk.numel()) and run_fused(FUSED[name, empty_rows], *args)[0]:
         record_merge("fused")
         return
-    with fused_region("megatron_hcp::fused_merge"):  # what the fused path launches: one kernel
+    with fused_region("megatron_hcp::fused_merge", FUSED_KERNELS[name]):  # the fused path's
         (_merge_rows if name == "rows" else _merge_index)(*args, empty_rows)
     record_merge("eager")

@@ -769,12 +769,13 @@ LAUNCH_BUDGET = {
 # which the CPU proxy cannot tell from a device read); the window's trimming is read once per
 # packing, not per block (before: 8 reads a step)
 SYNC_BUDGET = {"p2p cp4 thd": 4, "p2p cp4 thd 1 seq": 4}
-# the same steps with each merge and mask counted as the one kernel MEGATRON_HCP_FUSED_OPS makes
-# of it on a GPU (launches.fused_region)
+# the same steps with each merge and mask counted as the kernels MEGATRON_HCP_FUSED_OPS is
+# expected to launch for it on a GPU (launches.fused_region: a mask 1, a merge 2, 4 over
+# gathered rows)
 LAUNCH_BUDGET_FUSED = {
-    "p2p cp2": 21, "p2p cp4": 35, "p2p cp4 bf16": 39, "p2p cp4 contiguous": 32, "p2p cp4 thd": 66,
-    "p2p cp4 thd 1 seq": 58, "p2p cp4 gqa": 59, "p2p cp4 mla": 132, "p2p cp4 window": 70,
-    "all_gather cp4": 41, "a2a cp4": 34, "a2a+p2p cp4": 41,
+    "p2p cp2": 22, "p2p cp4": 38, "p2p cp4 bf16": 42, "p2p cp4 contiguous": 35, "p2p cp4 thd": 69,
+    "p2p cp4 thd 1 seq": 61, "p2p cp4 gqa": 62, "p2p cp4 mla": 135, "p2p cp4 window": 76,
+    "all_gather cp4": 43, "a2a cp4": 34, "a2a+p2p cp4": 42,
 }
 
 
@@ -801,15 +802,15 @@ def test_kernel_launches_per_step_stay_within_budget(world):
             if total > budget[case.name] or syncs > SYNC_BUDGET.get(case.name, 0):
                 over[f"{case.name} ({how})"] = (total, fwd.line(), bwd.line())
     assert not over, f"launches over budget (total, forward, backward): {over}"
-    # fused: a ring step's merge is one kernel, a masked block's mask one forward and one
-    # backward
+    # fused: a masked block's mask is one kernel forward and one backward; every merged block
+    # launches its fused merge's kernels
     for i, case in enumerate(CASES):
-        fwd, bwd, _ = fused_per_rank[0][i]
+        fwd, bwd, blocks = fused_per_rank[0][i]
         merges = fwd.by_op.get("megatron_hcp::fused_merge", 0)
         masks = fwd.by_op.get("megatron_hcp::fused_mask", 0)
         assert masks == bwd.by_op.get("megatron_hcp::fused_mask", 0), case.name
         assert (masks > 0) == (case.fmt == "thd" or case.window is not None), case.name
-        assert merges == per_rank[0][i][2] - 1 or case.comm == "all_gather", (case.name, merges)
+        assert (merges > 0) == (blocks > 1), (case.name, merges)
     # p2p cp4: 4 blocks, each one attention kernel; 3 merges of at most 4 kernels each
     fwd, _, blocks = per_rank[0][CASES.index(next(c for c in CASES if c.name == "p2p cp4"))]
     attention = sum(n for op, n in fwd.by_op.items() if "attention" in op)

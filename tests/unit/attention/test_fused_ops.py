@@ -89,9 +89,11 @@ def test_the_fused_merge_is_the_eager_merge(monkeypatch, dtype, block_dtype, by_
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("by_index", [False, True])
-def test_a_fused_merge_is_one_kernel_for_every_block_size(by_index):
-    """What inductor generates for a merge: one kernel (the gather and scatters of index rows
-    included); a block of another size runs it again without compiling (dynamic shapes)."""
+def test_a_fused_merge_is_one_compiled_function_for_every_block_size(by_index):
+    """What inductor generates for a merge: one compiled function (the gather and scatters of
+    index rows included; the CPU backend puts every loop of it into one C++ function, how many
+    Triton kernels it makes is checked in tests/gpu); a block of another size runs it again
+    without compiling (dynamic shapes)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()  # compile afresh here, whatever ran before in this process
@@ -190,8 +192,10 @@ def test_auto_works_eagerly_when_compiling_fails(monkeypatch):
         assert compiled.run(merge_module.FUSED["rows", True], args) == (False, None)
     assert compiled.failed and not fuses(torch.device("cuda", 0))
     monkeypatch.setenv(FUSED_ENV, "on")
+    fresh = fused_module._Compiled()
+    monkeypatch.setattr(fresh, "_fn", lambda fn: broken)
     with pytest.raises(RuntimeError, match="no C compiler"):
-        compiled.run(merge_module.FUSED["rows", True], args)
+        fresh.run(merge_module.FUSED["rows", True], args)
 
 
 @pytest.fixture
@@ -228,9 +232,9 @@ def test_a_function_past_the_recompile_limit_stays_eager(monkeypatch, fresh_dyna
 
 def test_errors_of_running_are_raised_and_compile_errors_of_a_new_variant_fall_back(
         monkeypatch):
-    """After fusing worked once, ``auto`` falls back for one call on a compile error (dynamo's
-    exception types) and raises an error of running; out-of-memory is raised even on the first
-    call, and does not turn fusing off."""
+    """After fusing worked once, ``auto`` makes a function eager for good on its compile error
+    (dynamo's exception types: not compiled again on every call) and raises an error of
+    running; out-of-memory is raised even on the first call, and does not turn fusing off."""
     from torch._dynamo.exc import TorchDynamoException
 
     monkeypatch.setenv(FUSED_ENV, "auto")
@@ -248,9 +252,10 @@ def test_errors_of_running_are_raised_and_compile_errors_of_a_new_variant_fall_b
     with pytest.raises(torch.OutOfMemoryError):
         compiled.run(merge_into, ())
     assert not compiled.failed and compiled.run(merge_into, ()) == (True, "done")
-    with pytest.warns(RuntimeWarning, match="a new variant failed.*this call runs eagerly"):
-        assert compiled.run(merge_into, ()) == (False, None)
-    assert not compiled.failed
+    with pytest.warns(RuntimeWarning, match="a new variant failed.*eagerly from now on"):
+        assert compiled.run(fuses, ()) == (False, None)
+    # that function is not compiled again (each attempt costs seconds); fusing stays on
+    assert compiled.run(fuses, ()) == (False, None) and not compiled.failed
     with pytest.raises(RuntimeError, match="bad launch"):
         compiled.run(merge_into, ())
 
@@ -325,9 +330,10 @@ def test_the_fused_mask_is_the_eager_mask(monkeypatch, causal, window):
 
 
 @pytest.mark.multirank
-def test_a_fused_mask_is_one_kernel():
-    """What inductor generates for a block's additive mask and its rows that see a key: one
-    kernel, whatever the window."""
+def test_a_fused_mask_is_one_kernel_without_a_buffer_between():
+    """What inductor generates for a block's additive mask (rows padded to a width) and its
+    rows that see a key: one function over one [rows, width] range, allocating only its two
+    outputs (no [rows, cols] buffer written and read back to pad)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -335,10 +341,12 @@ def test_a_fused_mask_is_one_kernel():
     fn = functools.partial(compiled._call,
                            torch.compile(_additive_fused, dynamic=True, fullgraph=True))
     gen = torch.Generator().manual_seed(8)
-    _, code = run_and_get_code(fn, (*_meta(12, gen, 20), *_meta(21, gen, 20), 5, 0, 32,
-                                    torch.bfloat16))
+    (add, seen), code = run_and_get_code(fn, (*_meta(12, gen, 20), *_meta(21, gen, 20), 5, 0,
+                                              32, torch.bfloat16))
     kernels = generated_kernels(code)
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused_"), kernels
+    assert "\n".join(code).count("empty_strided_cpu(") == 2, "a buffer besides the outputs"
+    assert add.shape == (12, 21) and add.stride() == (32, 1) and seen.shape == (12,)
 
 
 @pytest.mark.multirank
@@ -369,3 +377,16 @@ def test_fused_work_stays_eager_under_dispatch_modes_and_other_compiles(monkeypa
         torch.testing.assert_close(got_out, want_out, rtol=1e-14, atol=1e-14)
         torch.testing.assert_close(got_lse, want_lse, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(total, want_out.sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_disabled_torch_compile_fuses_nothing(monkeypatch):
+    """``TORCH_COMPILE_DISABLE`` / ``TORCHDYNAMO_DISABLE``: torch.compile would run the
+    functions uncompiled, so nothing is fused (nor recorded as fused)."""
+    monkeypatch.setenv(FUSED_ENV, "on")
+    assert fuses(torch.device("cpu"))
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert not fuses(torch.device("cpu"))
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    with torch._dynamo.config.patch(disable=True):
+        assert not fuses(torch.device("cpu"))
+    assert fuses(torch.device("cpu"))

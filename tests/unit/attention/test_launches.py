@@ -66,4 +66,15 @@ def test_fused_regions_count_as_one_kernel_when_asked():
                            "aten::add": 1, "aten::sum": 1}, eager.by_op
     got, fused = count_launches(step, fused=True)
     assert fused.by_op == {"megatron_hcp::fused_merge": 1, "aten::add": 1, "aten::sum": 1}
+    with fused_region("megatron_hcp::fused_merge", kernels=2):  # no counter: nothing changes
+        pass
+    _, two = count_launches(lambda: _two_kernel_region(x), fused=True)
+    assert two.by_op == {"megatron_hcp::fused_merge": 2}, two.by_op
     assert torch.equal(got, want) and torch.equal(step(), want)
+
+
+def _two_kernel_region(x):
+    from megatron_hcp.attention.reference.launches import fused_region
+
+    with fused_region("megatron_hcp::fused_merge", kernels=2):
+        return torch.sigmoid(x) + x.sum()
