@@ -107,14 +107,13 @@ def fuses(device: torch.device, elements: int | None = None) -> bool:
     compile under them) or while a CUDA graph is being captured (a new variant would compile
     and tune its kernel inside the capture)."""
     mode = fused_mode()
-    if mode == "off" or torch.compiler.is_dynamo_compiling() or (
-            _get_current_dispatch_mode() is not None) or _compile_disabled():
-        return False
-    if mode == "auto" and not (
+    if mode == "off" or (mode == "auto" and not (
             device.type == "cuda" and (elements is None or elements >= MIN_FUSED_ELEMENTS)
-            and _triton_runs() and not _compiled().failed):
+            and _triton_runs() and not _compiled().failed)):
+        return False  # the CPU's auto ends here, without importing torch._dynamo
+    if torch.compiler.is_dynamo_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    return device.type != "cuda" or not _capturing()
+    return not _compile_disabled() and (device.type != "cuda" or not _capturing())
 
 
 def _compile_disabled() -> bool:

@@ -390,3 +390,16 @@ def test_disabled_torch_compile_fuses_nothing(monkeypatch):
     with torch._dynamo.config.patch(disable=True):
         assert not fuses(torch.device("cpu"))
     assert fuses(torch.device("cpu"))
+
+
+def test_auto_on_the_cpu_asks_nothing_of_torch_compile(monkeypatch):
+    """``auto`` on the CPU decides from the device alone: it neither asks torch.compile's
+    switches (whose import, torch._dynamo, costs a second per process) nor the GPU."""
+    def asked():
+        raise AssertionError("auto on the CPU asked torch.compile or CUDA")
+
+    monkeypatch.setattr(fused_module, "_compile_disabled", asked)
+    monkeypatch.setattr(fused_module, "_capturing", asked)
+    monkeypatch.setattr(fused_module, "_triton_runs", asked)
+    monkeypatch.setenv(FUSED_ENV, "auto")
+    assert not fuses(torch.device("cpu"), 1 << 30)
