@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -31,6 +32,17 @@ from tests.unit.attention.test_cp_attention import (
 )
 
 NEG_INF = float("-inf")
+# the C++ compiler inductor's CPU backend calls (its config: $CXX, else g++)
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+
+
+def compiles(test):
+    """A test that compiles with inductor on the CPU: ``multirank`` (inductor starts compile
+    worker processes), and it needs inductor's C++ compiler (said as the skip reason where none
+    is on PATH: then ``MEGATRON_HCP_FUSED_OPS=on`` cannot run on this machine either)."""
+    test = pytest.mark.multirank(test)
+    return pytest.mark.skipif(CXX is None, reason="inductor's CPU backend needs a C++ compiler "
+                              "($CXX or g++); none on PATH")(test)
 
 
 def generated_kernels(code: list[str]) -> list[str]:
@@ -61,7 +73,7 @@ def _problem(dtype, block_dtype, by_index, seed=0, s=20, device="cpu"):
     return out, lse, rows, out_blk, lse_blk
 
 
-@pytest.mark.multirank
+@compiles
 @pytest.mark.parametrize("dtype,block_dtype,by_index", [
     (torch.float64, torch.float64, False),
     (torch.float32, torch.bfloat16, False),
@@ -87,7 +99,7 @@ def test_the_fused_merge_is_the_eager_merge(monkeypatch, dtype, block_dtype, by_
     assert torch.equal(got_lse.isneginf(), want_lse.isneginf()) and got_lse.isneginf().any()
 
 
-@pytest.mark.multirank
+@compiles
 @pytest.mark.parametrize("by_index", [False, True])
 def test_a_fused_merge_is_one_compiled_function_for_every_block_size(by_index):
     """What inductor generates for a merge: one compiled function (the gather and scatters of
@@ -123,7 +135,7 @@ def threads():
         yield world
 
 
-@pytest.mark.multirank
+@compiles
 @pytest.mark.parametrize("cases", ["p2p-window", "p2p-thd", "a2a+p2p-bshd"])
 def test_oracle_cases_with_the_fused_merge(threads, monkeypatch, cases):
     """CP attention with every merge and mask fused (rank threads of this process, as
@@ -206,7 +218,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.multirank
+@compiles
 def test_a_function_past_the_recompile_limit_stays_eager(monkeypatch, fresh_dynamo):
     """Dynamo refusing another compiled variant (its real recompile limit, set to 1 here)
     makes that call eager with one warning, and the function eager from then on - also for
@@ -273,7 +285,7 @@ def test_auto_fuses_blocks_large_enough_on_cuda_only(monkeypatch):
     assert fuses(cuda, 1) and fuses(torch.device("cpu"), 1)
 
 
-@pytest.mark.multirank
+@compiles
 def test_the_block_replay_times_either_mode(monkeypatch):
     """benchmarks/attention.py --device cuda times each row eager and fused in one run: the
     replay (rank_block_pass) gives the same output and gradients with either, its cost says
@@ -304,7 +316,7 @@ def _meta(n, gen, positions):
             generator=gen), torch.rand(n, generator=gen) > 0.2)
 
 
-@pytest.mark.multirank
+@compiles
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, (5, 0), (3, 4), (-1, 2), (6, -1)])
 def test_the_fused_mask_is_the_eager_mask(monkeypatch, causal, window):
@@ -329,7 +341,7 @@ def test_the_fused_mask_is_the_eager_mask(monkeypatch, causal, window):
         assert torch.equal(got_seen, seen) and torch.equal(seen, want.any(1))
 
 
-@pytest.mark.multirank
+@compiles
 def test_a_fused_mask_is_one_kernel_without_a_buffer_between():
     """What inductor generates for a block's additive mask (rows padded to a width) and its
     rows that see a key: one function over one [rows, width] range, allocating only its two
@@ -349,7 +361,7 @@ def test_a_fused_mask_is_one_kernel_without_a_buffer_between():
     assert add.shape == (12, 21) and add.stride() == (32, 1) and seen.shape == (12,)
 
 
-@pytest.mark.multirank
+@compiles
 def test_fused_work_stays_eager_under_dispatch_modes_and_other_compiles(monkeypatch):
     """Even with ``on``: under a Python dispatch mode (the launch counter here; a FLOP counter,
     a fake-tensor trace) the merge runs eagerly, its ops seen by the mode; inside the caller's
