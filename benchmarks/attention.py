@@ -28,8 +28,8 @@ mean and max/mean: the contiguous layout's causal imbalance is in the table).
 one rank launches for one step (forward + backward) of every comm type and feature
 (:mod:`megatron_hcp.attention.reference.launch_proxy`, 4 gloo ranks, max over the ranks), with
 the forward's attention kernels apart and the ops launched most: once with the merges and masks
-eager (what the CPU runs), once counting each as the one kernel ``MEGATRON_HCP_FUSED_OPS`` makes
-of it on a GPU.
+eager (what the CPU runs), once counting each as the kernels ``MEGATRON_HCP_FUSED_OPS`` is
+expected to launch for it on a GPU (a mask 1, a merge 2, over gathered rows 4).
 ``.venv/bin/python benchmarks/attention.py --launches``
 
 ``--device cuda`` (one GPU) measures instead the backend's compute per CP block
@@ -345,7 +345,7 @@ def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
               f"{'total':>6} {'syncs':>6}  most launched (forward | backward)")
     lines = [f"kernels per rank per step, max over {len(per_rank)} ranks; torch "
              f"{torch.__version__}, CPU; S=512 heads=8 d=64 fp32 causal (see launch_proxy); "
-             + ("each merge and mask counted as its one fused kernel" if fused else
+             + ("each merge and mask counted as its expected fused kernels" if fused else
                 "merges and masks eager"),
              header, "-" * len(header)]
     for i, case in enumerate(CASES):

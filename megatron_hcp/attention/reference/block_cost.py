@@ -54,7 +54,7 @@ class BlockCost:
     kernels: dict[tuple[str, str], int]  # forward kernel calls of one replay, (kernel, reason)
     blocks_per_rank: int
     merges: dict[str, int]  # LSE merges of one replay by path ("fused", "eager")
-    masks: dict[str, int]  # additive masks of one replay (forward) by path
+    masks: dict[str, int]  # additive masks of one replay (forward and backward) by path
 
     @property
     def ratio(self) -> float:

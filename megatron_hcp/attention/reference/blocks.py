@@ -33,8 +33,8 @@ from .fused import fuses, run_fused
 from .launches import fused_region
 from .seq_layout import SeqLayout
 
-__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "plan_block", "record_block",
-           "record_kernel", "record_mask", "record_merge", "take"]
+__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
+           "record_block", "record_kernel", "record_mask", "record_merge", "take"]
 
 Selector = slice | torch.Tensor
 Window = tuple[int, int] | None
@@ -99,23 +99,27 @@ def record_block(block: Block | None, layout: SeqLayout) -> None:
             counter.computed.append((_size(block.rows, n), _size(block.cols, n)))
 
 
+def _record(tally: str, key: object) -> None:
+    """Count ``key`` once in the ``tally`` (a Counter field) of every active
+    :class:`BlockCounter`."""
+    for counter in _COUNTERS.get():
+        getattr(counter, tally)[key] += 1
+
+
 def record_kernel(kernel: str, reason: str = "") -> None:
     """Count one forward kernel call in every active :class:`BlockCounter`."""
-    for counter in _COUNTERS.get():
-        counter.kernels[(kernel, reason)] += 1
+    _record("kernels", (kernel, reason))
 
 
 def record_merge(path: str) -> None:
     """Count one LSE merge (``"fused"`` or ``"eager"``) in every active :class:`BlockCounter`."""
-    for counter in _COUNTERS.get():
-        counter.merges[path] += 1
+    _record("merges", path)
 
 
 def record_mask(path: str) -> None:
     """Count one additive mask built (``"fused"`` or ``"eager"``) in every active
     :class:`BlockCounter`."""
-    for counter in _COUNTERS.get():
-        counter.masks[path] += 1
+    _record("masks", path)
 
 
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
@@ -199,6 +203,17 @@ def _additive_fused(q_seq, q_pos, q_ok, k_seq, k_pos, k_ok, left: int, right: in
     return add[:, :cols], visible.any(1)
 
 
+def additive_of(visible: torch.Tensor, dtype: torch.dtype, width: int, *, seen: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The boolean [rows, cols] ``visible`` as an additive mask (0 / ``-inf`` in ``dtype``,
+    a view of a [rows, ``width``] buffer) and, where ``seen``, which rows see any key."""
+    rows, cols = visible.shape
+    add = torch.full((rows, width), float("-inf"), dtype=dtype, device=visible.device)
+    add = add[:, :cols]
+    add.masked_fill_(visible, 0.0)
+    return add, visible.any(1) if seen else None
+
+
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """The visible (query, key) pairs of a masked block - same sequence, both tokens real,
@@ -243,13 +258,9 @@ class BlockMask:
                 record_mask("fused")
                 return result
         with fused_region("megatron_hcp::fused_mask"):  # the fused path: one kernel
-            visible = self.dense()
-            add = torch.full((rows, width), float("-inf"), dtype=dtype, device=self.device)
-            add = add[:, :cols]
-            add.masked_fill_(visible, 0.0)
-            seen_rows = visible.any(1) if seen else None
+            result = additive_of(self.dense(), dtype, width, seen=seen)
         record_mask("eager")
-        return add, seen_rows
+        return result
 
 
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory

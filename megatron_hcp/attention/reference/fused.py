@@ -68,15 +68,10 @@ def fusing(mode: str) -> Iterator[None]:
     benchmarks measure eager and fused work in one run)."""
     if mode not in FUSED_MODES:
         raise CPAttentionError(f"fused mode {mode!r}: use one of {', '.join(FUSED_MODES)}")
-    before = os.environ.get(FUSED_ENV)
-    os.environ[FUSED_ENV] = mode
-    try:
+    from ...local_world import environment  # the project's set-and-restore of os.environ
+
+    with environment({FUSED_ENV: mode}):
         yield
-    finally:
-        if before is None:
-            del os.environ[FUSED_ENV]
-        else:
-            os.environ[FUSED_ENV] = before
 
 
 @functools.cache

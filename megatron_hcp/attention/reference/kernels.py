@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import BlockMask, record_kernel
+from .blocks import BlockMask, additive_of, record_kernel
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
            "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for"]
@@ -166,39 +166,36 @@ def _heads_inner(out: torch.Tensor) -> torch.Tensor:
 
 
 def _additive(mask: torch.Tensor | BlockMask, causal: bool, q: torch.Tensor, seen: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """The block mask as the fused kernels take it, which of its rows see any key (where
-    ``seen`` is asked for) and the causal flag the kernel then runs with: 0 where visible,
-    ``-inf`` elsewhere, in q's dtype. A causal flag with a mask is folded into the mask (the
-    kernel then runs without it), so that the rows the mask hides are exactly the rows that
-    see no key. On CUDA its rows start 16-element aligned (a view of a padded buffer: the
-    efficient kernel loads bias rows 128 bits at a time and checks only part of that, and
-    torch's SDPA front end pads the mask the same way before calling it) and it is seen as
-    [B, H, Sq, Sk] (the kernel takes a 4-D bias; the expansion copies nothing). A
-    :class:`~.blocks.BlockMask` builds it from its tokens' metadata (one fused kernel where
-    :mod:`.fused` says so)."""
-    if isinstance(mask, BlockMask) and causal:  # never planned: the triangle folds into
-        mask = mask.dense()  # booleans
-    if not isinstance(mask, BlockMask) and causal:
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block mask as the fused kernels take it and which of its rows see any key (where
+    ``seen`` is asked for): 0 where visible, ``-inf`` elsewhere, in q's dtype. A causal flag
+    with a mask is folded into the mask (the kernel then runs without it), so that the rows
+    the mask hides are exactly the rows that see no key. On CUDA its rows start 16-element
+    aligned (a view of a padded buffer: the efficient kernel loads bias rows 128 bits at a
+    time and checks only part of that, and torch's SDPA front end pads the mask the same way
+    before calling it) and it is seen as [B, H, Sq, Sk] (the kernel takes a 4-D bias; the
+    expansion copies nothing). A :class:`~.blocks.BlockMask` builds it from its tokens'
+    metadata (one fused kernel where :mod:`.fused` says so)."""
+    if causal:  # never planned with a mask: the triangle folds into booleans
+        mask = mask.dense() if isinstance(mask, BlockMask) else mask
         mask = mask & torch.ones_like(mask).tril()
     sq, sk = mask.shape
     width = -(-sk // 16) * 16 if q.device.type == "cuda" else sk
     if isinstance(mask, BlockMask):
         add, rows_seen = mask.additive(q.dtype, width, seen=seen)
     else:
-        add = torch.full((sq, width), _NEG_INF, dtype=q.dtype, device=q.device)[:, :sk]
-        add.masked_fill_(mask, 0.0)
-        rows_seen = mask.any(1) if seen else None
+        add, rows_seen = additive_of(mask, q.dtype, width, seen=seen)
     if q.device.type == "cuda":
         add = add.expand(q.shape[0], q.shape[1], sq, sk)
-    return add, rows_seen, False
+    return add, rows_seen
 
 
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
                    mask: torch.Tensor | BlockMask | None = None):
     add = seen = None
-    if mask is not None:
-        add, seen, causal = _additive(mask, causal, q, seen=True)
+    if mask is not None:  # the causal flag folds into the mask
+        add, seen = _additive(mask, causal, q, seen=True)
+        causal = False
     if kernel == CPU_FLASH:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=add, scale=scale)
@@ -220,7 +217,8 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, scale: float, causal: 
     dout, out = _rows(dout), _rows(out)  # q, k, v: as block_backward made them
     add = None
     if mask is not None:  # rows that saw no key (LSE -inf) take LSE +inf: probabilities 0
-        add, _, causal = _additive(mask, causal, q, seen=False)
+        add, _ = _additive(mask, causal, q, seen=False)
+        causal = False
         inf = float("inf")  # one op; a NaN stays NaN
         lse = torch.nan_to_num(lse, nan=float("nan"), posinf=inf, neginf=inf)
     if kernel == CPU_FLASH:

@@ -114,7 +114,8 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
                   fused: bool = False) -> list[tuple[LaunchCount, LaunchCount, int]]:
     """On every rank of the world: (forward, backward, forward blocks) of each case's step.
     Cases whose CP size does not divide the world are refused. ``fused``: every merge and mask
-    counted as the one kernel :mod:`.fused` makes of it (:func:`~.launches.count_launches`)."""
+    counted as the kernels :mod:`.fused` is expected to launch for it on a GPU
+    (:func:`~.launches.count_launches`); CPU only."""
     if fused and device != "cpu":
         raise ValueError(f"rank_launches(fused=True, device={device!r}): fused regions are "
                          "counted on the CPU only (on CUDA the backward runs on threads that do "

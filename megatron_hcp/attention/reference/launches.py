@@ -116,8 +116,8 @@ def fused_region(name: str, kernels: int = 1) -> Iterator[None]:
 def count_launches(fn: Callable[..., Any], *args: Any, fused: bool = False, **kwargs: Any
                    ) -> tuple[Any, LaunchCount]:
     """Run ``fn(*args, **kwargs)`` and return its result and what it launched (module
-    docstring; ``fused``: each :func:`fused_region` counted as one kernel)."""
-    token = None
+    docstring; ``fused``: each :func:`fused_region` counted as its compiled function's
+    kernels)."""
     with _Watch(fused) as watch:
         token = _WATCHING.set(watch)
         try:

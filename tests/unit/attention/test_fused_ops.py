@@ -104,8 +104,9 @@ def test_the_fused_merge_is_the_eager_merge(monkeypatch, dtype, block_dtype, by_
 def test_a_fused_merge_is_one_compiled_function_for_every_block_size(by_index):
     """What inductor generates for a merge: one compiled function (the gather and scatters of
     index rows included; the CPU backend puts every loop of it into one C++ function, how many
-    Triton kernels it makes is checked in tests/gpu); a block of another size runs it again
-    without compiling (dynamic shapes)."""
+    Triton kernels it makes is checked in tests/gpu), over a slice of rows writing the output
+    in place (no output-sized buffer); a block of another size runs it again without compiling
+    (dynamic shapes)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()  # compile afresh here, whatever ran before in this process
@@ -124,6 +125,9 @@ def test_a_fused_merge_is_one_compiled_function_for_every_block_size(by_index):
     _, code = run_and_get_code(fn, args(20))
     kernels = generated_kernels(code)
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused_"), kernels
+    if not by_index:  # in place: at most the new LSE [B,H,R] is staged, never the output rows
+        staged = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", "\n".join(code))
+        assert all(len(shape.split(",")) <= 3 for shape in staged), staged
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     fn(args(26))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
