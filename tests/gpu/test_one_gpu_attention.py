@@ -234,3 +234,37 @@ def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
     kernels = generated_kernels(code)
     report(1, f"kernels generated: {kernels}")
     assert len(kernels) == 1 and kernels[0].startswith("triton_"), kernels
+
+
+def test_grouped_kv_reach_the_cuda_flash_kernel_unexpanded(report):
+    """A bf16 GQA block (16 query heads, 4 KV heads) takes FlashAttention-2 with K/V as they
+    are: the ops of the same block with 16 KV heads (no K/V expanded to the query heads, no
+    sum over the groups), and the output, LSE and gradients of the expanded path (the
+    efficient kernel's way) within bf16's rounding."""
+    from megatron_hcp.attention.reference import kernels
+    from megatron_hcp.attention.reference.kernels import KernelChoice, block_backward, block_forward
+    from megatron_hcp.attention.reference.launches import count_launches
+
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(2, 16, 256, 64, generator=gen).cuda().bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 4, 256, 64, generator=gen).cuda().bfloat16() for _ in range(2))
+    assert kernels.kernel_for(q, k, v, causal=True, mask=None, bias=None).kernel == CUDA_FLASH
+
+    def block(k, v):
+        out, lse = block_forward(q, k, v, scale=0.125, causal=True)
+        return out, lse, *block_backward(dout, q, k, v, out, lse, scale=0.125, causal=True,
+                                         kernel=KernelChoice(CUDA_FLASH))
+
+    grouped, launched = count_launches(block, k, v)
+    _, mha = count_launches(block, torch.randn_like(q), torch.randn_like(q))
+    assert launched.by_op == mha.by_op, (launched.by_op, mha.by_op)
+    real = kernels.takes_grouped_kv
+    try:
+        kernels.takes_grouped_kv = lambda kernel: False
+        expanded = block(k, v)
+    finally:
+        kernels.takes_grouped_kv = real
+    errors = [(a.double() - b.double()).abs().max().item() for a, b in zip(grouped, expanded)]
+    report(1, "grouped vs expanded K/V, max |diff| out, lse, dq, dk, dv: "
+              + ", ".join(f"{e:.1e}" for e in errors))
+    assert errors[0] <= 1e-2 and errors[1] <= 1e-3 and max(errors[2:]) <= 5e-2, errors

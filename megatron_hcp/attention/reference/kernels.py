@@ -38,6 +38,7 @@ every probability of the row 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -95,33 +96,72 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
 def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    causal: bool, mask: torch.Tensor | BlockMask | None = None) -> bool:
     """Whether torch runs ``kernel`` on these CUDA tensors here (GPU arch, build, the user's
-    ``torch.backends.cuda.enable_*_sdp`` switches), with the block's ``mask`` if it has one."""
+    ``torch.backends.cuda.enable_*_sdp`` switches), with the block's ``mask`` if it has one;
+    K/V with fewer heads than q are asked as grouped-query attention (``enable_gqa``)."""
     from torch.backends import cuda as sdp
 
     if isinstance(mask, BlockMask):  # torch checks a mask's dtype, shape and layout only: an
         mask = torch.empty(mask.shape, dtype=torch.bool, device=q.device)  # unfilled stand-in
+    gqa = k.shape[1] != q.shape[1]
     try:
-        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, False)
+        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, gqa)
     except TypeError:  # torch < 2.5: no enable_gqa argument
+        if gqa:
+            return False
         params = sdp.SDPAParams(q, k, v, mask, 0.0, causal)
     check = (sdp.can_use_flash_attention if kernel == CUDA_FLASH
              else sdp.can_use_efficient_attention)
     return bool(check(params, False))
 
 
+@lru_cache(maxsize=1)
+def cpu_flash_takes_grouped_kv() -> bool:
+    """Whether this torch's CPU flash kernel computes grouped-query attention itself (K/V with
+    fewer heads than q, forward and backward, dK/dV summed over each group), checked once
+    against the same block on K/V expanded to q's heads (a torch that read such K/V wrongly
+    would disagree; one that refuses them raises)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 4, 8, generator=gen) for h in (2, 1, 1, 2))
+    add = torch.zeros(4, 4).masked_fill_(torch.ones(4, 4, dtype=torch.bool).triu(1), _NEG_INF)
+    ke, ve = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    try:
+        out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=0.5)
+        dq, dk, dv = back(dout, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=0.5)
+    except RuntimeError:
+        return False
+    want_out, want_lse = flash(q, ke, ve, 0.0, False, attn_mask=add, scale=0.5)
+    want = back(dout, q, ke, ve, want_out, want_lse, 0.0, False, attn_mask=add, scale=0.5)
+    got = (out, lse, dq, dk, dv)
+    expect = (want_out, want_lse, want[0], _reduce_kv(want[1], 1), _reduce_kv(want[2], 1))
+    return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+               for a, b in zip(got, expect))
+
+
+def takes_grouped_kv(kernel: str) -> bool:
+    """Whether ``kernel`` takes K/V with fewer heads than q as they are: the flash kernels
+    (FlashAttention-2 on CUDA, where :func:`kernel_for` asked torch with ``enable_gqa``; the
+    CPU one where :func:`cpu_flash_takes_grouped_kv`). The others take K/V expanded to q's
+    heads, their gradients summed back over each group."""
+    return kernel == CUDA_FLASH or (kernel == CPU_FLASH and cpu_flash_takes_grouped_kv())
+
+
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                mask: torch.Tensor | BlockMask | None, bias: torch.Tensor | None
                ) -> KernelChoice:
-    """The kernel of the block ``q`` [B,H,Sq,D] x ``k``/``v`` (heads already expanded): the
-    shape rule, confirmed on CUDA by torch's own checks (falling back flash -> efficient ->
-    math)."""
+    """The kernel of the block ``q`` [B,H,Sq,D] x ``k``/``v`` [B,Hkv,Sk,D] (Hkv divides H):
+    the shape rule, confirmed on CUDA by torch's own checks (falling back flash -> efficient ->
+    math; flash is asked with K/V as they are, the efficient kernel with them expanded to q's
+    heads, as it will get them)."""
     choice = choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1], q.shape[2],
                            k.shape[2], causal=causal, masked=mask is not None,
                            biased=bias is not None)
     if choice.kernel == CUDA_FLASH and not _torch_accepts(CUDA_FLASH, q, k, v, causal):
         choice = KernelChoice(CUDA_EFFICIENT)
-    if choice.kernel == CUDA_EFFICIENT and not _torch_accepts(CUDA_EFFICIENT, q, k, v, causal,
-                                                              mask):
+    if choice.kernel == CUDA_EFFICIENT and not _torch_accepts(
+            CUDA_EFFICIENT, q, _expanded_view(k, q.shape[1]), _expanded_view(v, q.shape[1]),
+            causal, mask):
         return KernelChoice(MATH, "torch refuses its flash and efficient kernels for this "
                                   "block on this GPU (torch.backends.cuda.can_use_*_attention)")
     return choice
@@ -134,6 +174,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _expanded_view(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A stand-in of ``x`` [B,Hkv,S,D] expanded to ``heads`` heads, copying nothing, for
+    torch's kernel checks (they read shapes, dtypes and the last dim's stride, not values)."""
+    if x.shape[1] == heads:
+        return x
+    return x[:, :1].expand(x.shape[0], heads, *x.shape[2:])
 
 
 def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -276,10 +324,12 @@ def block_forward(
     the accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
-    q, k, v = _rows(q), _expand_kv(_rows(k), heads), _expand_kv(_rows(v), heads)
+    q, k, v = _rows(q), _rows(k), _rows(v)
     if kernel is None:
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     record_kernel(kernel.kernel, kernel.reason)
+    if kernel.kernel == MATH or not takes_grouped_kv(kernel.kernel):
+        k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     if kernel.kernel != MATH:
         return _fused_forward(kernel.kernel, q, k, v, scale, causal, mask)
     acc = acc_dtype(q.dtype)
@@ -313,16 +363,17 @@ def block_backward(
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = acc_dtype(q.dtype)
-    q = _rows(q)  # as the fused kernels take it, before torch's checks choose one
-    ke, ve = _expand_kv(_rows(k), heads), _expand_kv(_rows(v), heads)
+    q, k, v = _rows(q), _rows(k), _rows(v)  # as the fused kernels take them
     dbias = None
     if kernel is None:
-        kernel = kernel_for(q, ke, ve, causal=causal, mask=mask, bias=bias)
+        kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
+    grouped = kernel.kernel != MATH and takes_grouped_kv(kernel.kernel)
+    ke, ve = (k, v) if grouped else (_expand_kv(k, heads), _expand_kv(v, heads))
     if kernel.kernel != MATH:
         dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,
                                      out.to(q.dtype), lse, scale, causal, mask)
-        if kv_heads != heads:  # GQA: the query heads' shares are summed in acc's precision
-            dk, dv = dk.to(acc), dv.to(acc)
+        if ke.shape[1] != kv_heads:  # expanded: the query heads' shares are summed in acc's
+            dk, dv = dk.to(acc), dv.to(acc)  # precision (a grouped kernel sums them itself)
     else:
         qa, ka, va, doa = q.to(acc), ke.to(acc), ve.to(acc), dout.to(acc)
         s = _math_scores(qa, ka, scale, causal, mask, bias)

@@ -20,7 +20,9 @@ from megatron_hcp.attention.reference.kernels import (
     block_backward,
     block_forward,
     choose_kernel,
+    cpu_flash_takes_grouped_kv,
 )
+from megatron_hcp.attention.reference.launches import count_launches
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 TOL = {F64: 1e-12, F32: 1e-5}
@@ -203,6 +205,45 @@ def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
     q = torch.randn(1, 2, 8, 8)
     assert not _torch_accepts(CUDA_FLASH, q, q, q, True)
     assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
+
+
+def test_torch_is_asked_about_grouped_kv_as_such():
+    """kernel_for asks torch about flash with K/V as they are (GQA: ``enable_gqa``) and about
+    the efficient kernel with them expanded; on CPU tensors torch refuses both either way."""
+    q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+    assert not _torch_accepts(CUDA_FLASH, q, kv, kv, True)
+    assert not _torch_accepts(CUDA_EFFICIENT, q, kv.repeat_interleave(2, 1), kv, False)
+
+
+@pytest.mark.parametrize(("dtype", "masked"), itertools.product([F64, F32, BF16], [False, True]))
+def test_grouped_kv_reach_the_cpu_flash_kernel_unexpanded(monkeypatch, dtype, masked):
+    """GQA blocks (8 query heads, 2 KV heads) give the CPU flash kernel K/V as they are: they
+    launch the ops of the same block with 8 KV heads (no copy of K/V expanded to the query
+    heads forward, none and no sum over the groups backward); output, LSE and gradients
+    equal those of the same block on expanded K/V (the path of kernels that need it), causal
+    or masked."""
+    assert cpu_flash_takes_grouped_kv()  # this torch's CPU flash kernel computes GQA itself
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 8, 24, 16, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 24, 16, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(24, 24, generator=gen) > 0.4 if masked else None
+    kwargs = dict(scale=0.25, causal=not masked, mask=mask, kernel=KernelChoice(CPU_FLASH))
+
+    def block(k, v):
+        out, lse = block_forward(q, k, v, **kwargs)
+        return out, lse, *block_backward(dout, q, k, v, out, lse, **kwargs)
+
+    grouped, launched = count_launches(block, k, v)
+    _, mha = count_launches(block, torch.randn_like(q), torch.randn_like(q))
+    assert launched.by_op == mha.by_op
+    monkeypatch.setattr("megatron_hcp.attention.reference.kernels.cpu_flash_takes_grouped_kv",
+                        lambda: False)
+    expanded, launched = count_launches(block, k, v)
+    assert launched.by_op.get("aten::sum", 0) == 2, launched.by_op  # dK, dV over the groups
+    tol = {F64: 1e-12, F32: 1e-5, BF16: 2e-2}[dtype]
+    for got, want in zip(grouped, expanded):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.to(F64), want.to(F64), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("window", [None, (5, 0), (2, 3)])
