@@ -268,3 +268,38 @@ def test_grouped_kv_reach_the_cuda_flash_kernel_unexpanded(report):
     report(1, "grouped vs expanded K/V, max |diff| out, lse, dq, dk, dv: "
               + ", ".join(f"{e:.1e}" for e in errors))
     assert errors[0] <= 1e-2 and errors[1] <= 1e-3 and max(errors[2:]) <= 5e-2, errors
+
+
+def _in_pieces(cases, split, device):
+    from megatron_hcp.attention.reference.pieces import splitting
+
+    with BlockCounter() as counter, splitting(split):
+        errors = run_cases(cases, device)
+    return errors, dict(counter.kernels), sum(counter.masks.values())
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_blocks_in_pieces_on_cuda(gpu_threads, report, comm):
+    """Packed (thd) sequences with every block computed per sequence (pieces.py, forced on):
+    the oracle cases at their tolerances on CUDA (fp64 on the math path, fp32 on the efficient
+    kernel, no mask built), and in bf16 the pieces take FlashAttention-2 where the masked
+    blocks take the efficient kernel, as accurate against the fp64 oracle (within twice the
+    masked blocks' error + 1e-2)."""
+    from tests.unit.attention.test_cp_attention import HEADS, matrix_cases
+
+    cases = matrix_cases(comm, "thd")
+    per_rank = gpu_threads.run(_in_pieces, cases, "on", "cuda")
+    assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
+    assert not any(masks for *_, masks in per_rank)
+    bf16 = [(comm, "thd", True, HEADS["gqa"], 4, torch.bfloat16, 3)]
+    split = gpu_threads.run(_in_pieces, bf16, "on", "cuda")
+    masked = gpu_threads.run(_in_pieces, bf16, "off", "cuda")
+
+    def worst(results):
+        return max(max(errors[0].values()) for errors, _, _ in results)
+
+    kernels = {k for _, kernels, _ in split for (k, _why) in kernels}
+    report(1, f"bf16 in pieces: kernels {sorted(kernels)}, max error {worst(split):.1e} "
+              f"(masked blocks: {worst(masked):.1e})")
+    assert kernels == {CUDA_FLASH}, kernels
+    assert worst(split) <= 2 * worst(masked) + 1e-2

@@ -33,6 +33,7 @@ from ...config import CP_COMM_TYPES
 from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
 from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
 from .fused import fused_mode
+from .pieces import split_mode
 from .seq_layout import (
     CPAttentionError,
     SeqLayout,
@@ -290,7 +291,8 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
-    fused_mode()  # MEGATRON_HCP_FUSED_OPS checked before any communication
+    fused_mode()  # MEGATRON_HCP_FUSED_OPS and _SPLIT_PACKED checked before any communication
+    split_mode()
     expected_dims = 3 if qkv_format == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != expected_dims:

@@ -31,6 +31,7 @@ import torch
 
 from .fused import fuses, run_fused
 from .launches import fused_region
+from .pieces import Piece, block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
 
 __all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
@@ -46,12 +47,15 @@ _COUNTERS: contextvars.ContextVar[tuple[BlockCounter, ...]] = contextvars.Contex
 @dataclass(frozen=True)
 class Block:
     """Query ``rows`` against key/value ``cols`` (slices or token indices), ``causal`` (the
-    square diagonal) or masked by ``mask`` (a :class:`BlockMask`)."""
+    square diagonal) or masked by ``mask`` (a :class:`BlockMask`); or, where ``pieces`` is
+    not ``None``, computed as those dense blocks (:mod:`.pieces`: a packed block per
+    sequence) instead."""
 
     rows: Selector
     cols: Selector
     causal: bool
     mask: BlockMask | None
+    pieces: tuple[Block, ...] | None = None
 
 
 @dataclass
@@ -91,6 +95,10 @@ def _size(sel: Selector, n: int) -> int:
 
 def record_block(block: Block | None, layout: SeqLayout) -> None:
     """Count a forward block (``None``: skipped) in every active :class:`BlockCounter`."""
+    if block is not None and block.pieces is not None:  # the pieces are the blocks run
+        for piece in block.pieces:
+            record_block(piece, layout)
+        return
     for counter in _COUNTERS.get():
         if block is None:
             counter.skipped += 1
@@ -287,6 +295,19 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
     return rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols)
 
 
+@lru_cache(maxsize=128)
+def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, which_cols: str,
+                  causal: bool) -> tuple[tuple[Block, ...], tuple[Piece, ...]] | None:
+    """:func:`~.pieces.block_pieces` as dense blocks of slices (and the pieces), once per
+    packing."""
+    pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
+    if pieces is None:
+        return None
+    blocks = tuple(Block(slice(p.row, p.row + p.rows), slice(p.col, p.col + p.cols), p.causal,
+                         None) for p in pieces)
+    return blocks, pieces
+
+
 def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                window: Window = None) -> Block | None:
     """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
@@ -300,6 +321,12 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         return Block(q_layout.half(which_rows), kv_layout.half(which_cols), diag, None)
     if window is None:
         rows, cols = q_layout.half(which_rows), kv_layout.half(which_cols)
+        if split_mode() != "off":  # per sequence, where it pays (MEGATRON_HCP_SPLIT_PACKED)
+            pieces = _piece_blocks(q_layout, kv_layout, which_rows, which_cols, causal)
+            n_rows, n_cols = _size(rows, q_layout.local_tokens), _size(cols,
+                                                                      kv_layout.local_tokens)
+            if pieces is not None and worth_splitting(pieces[1], n_rows, n_cols):
+                return Block(rows, cols, False, None, pieces[0])
         q_meta = _half_meta(q_layout, which_rows, "q")
         k_meta = _half_meta(kv_layout, which_cols, "k")
     else:

@@ -74,6 +74,15 @@ def _add_bias_grad(dbias, grad, where) -> None:
 
 def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False):
     """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet)."""
+    if block.pieces is not None:  # a packed block per sequence: its dense pieces, each
+        # copied in where it is the first to reach its rows (pieces' rows are equal or apart)
+        reached: set[tuple[int, int]] = set()
+        for piece in block.pieces:
+            rows = (piece.rows.start, piece.rows.stop)
+            _forward_block(q, k, v, piece, scale, out, lse, bias,
+                           first=first and rows not in reached)
+            reached.add(rows)
+        return
     ob, lb = block_forward(
         take(q, block.rows), take(k, block.cols), take(v, block.cols),
         scale=scale, causal=block.causal, mask=block.mask, bias=bias,
@@ -83,6 +92,10 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False):
 
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None):
+    if block.pieces is not None:  # no bias with packed sequences: no bias gradient
+        for piece in block.pieces:
+            _backward_block(dout, q, k, v, out, lse, piece, scale, dq, dk, dv)
+        return None
     gq, gk, gv, *gb = block_backward(
         take(dout, block.rows), take(q, block.rows), take(k, block.cols), take(v, block.cols),
         take(out, block.rows), take(lse, block.rows),
@@ -99,14 +112,15 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
 def _new_acc(q: torch.Tensor, v: torch.Tensor, first: Block | None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (in v's head dim) and LSE accumulators for q's rows: zero and ``-inf``, or left
-    unfilled where the ``first`` block merged (copied) into them covers every row."""
+    unfilled where the ``first`` block merged (copied) into them covers every row (not one
+    computed in pieces: padding rows are in none)."""
     acc = acc_dtype(q.dtype)
     b, h, s, _ = q.shape
     # the output in [B, S, H, Dv] memory order, seen as [B, H, S, Dv]: as megatron's bshd
     # output (a view, no copy) and as the efficient kernel's backward reads it
     # (kernels._heads_inner)
     shape, order = (b, s, h, v.shape[-1]), (0, 2, 1, 3)
-    if first is not None and first.rows == slice(0, s):
+    if first is not None and first.pieces is None and first.rows == slice(0, s):
         return (torch.empty(shape, dtype=acc, device=q.device).permute(order),
                 torch.empty(b, h, s, dtype=acc, device=q.device))
     out = torch.zeros(shape, dtype=acc, device=q.device).permute(order)

@@ -23,6 +23,7 @@ from ...sharding import get_local_chunk
 from .api import context_parallel_attention
 from .blocks import BlockCounter
 from .launches import LaunchCount, count_launches
+from .pieces import splitting
 
 __all__ = ["CASES", "LaunchCase", "rank_launches"]
 
@@ -44,15 +45,16 @@ class LaunchCase:
     seq: int = 512
     dtype: torch.dtype = torch.float32
     sequences: int = 3  # thd: three packed sequences, or one (with padding at its end)
+    split: str = "auto"  # MEGATRON_HCP_SPLIT_PACKED for the case (thd: pieces or masked)
 
     @property
     def hcp(self) -> tuple[int, int] | None:
         return (2, self.cp // 2) if self.comm == "a2a+p2p" else None
 
 
-# every comm type, both layouts, thd (three sequences, or one: its tokens need no reordering),
-# GQA, MLA head dims, a sliding window and bf16 (its conversions to and from the fp32
-# accumulators), at CP 2 and 4
+# every comm type, both layouts, thd (three sequences, or one: its tokens need no reordering;
+# and computed per sequence, :mod:`.pieces`), GQA, MLA head dims, a sliding window and bf16
+# (its conversions to and from the fp32 accumulators), at CP 2 and 4
 CASES = (
     LaunchCase("p2p cp2", "p2p", 2),
     LaunchCase("p2p cp4", "p2p", 4),
@@ -60,6 +62,7 @@ CASES = (
     LaunchCase("p2p cp4 contiguous", "p2p", 4, mode="contiguous"),
     LaunchCase("p2p cp4 thd", "p2p", 4, fmt="thd"),
     LaunchCase("p2p cp4 thd 1 seq", "p2p", 4, fmt="thd", sequences=1),
+    LaunchCase("p2p cp4 thd pieces", "p2p", 4, fmt="thd", split="on"),
     LaunchCase("p2p cp4 gqa", "p2p", 4, kv_heads=2),
     LaunchCase("p2p cp4 mla", "p2p", 4, dim=96, dim_v=64),
     LaunchCase("p2p cp4 window", "p2p", 4, window=(64, 0)),
@@ -133,10 +136,11 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
                       window_size=case.window, cp_partition_mode=case.mode, **meta)
-        context_parallel_attention(q, k, v, **kwargs).backward(dout)  # warm-up
-        with BlockCounter() as blocks:
-            result, forward = count_launches(context_parallel_attention, q, k, v, fused=fused,
-                                             **kwargs)
-        _, backward = count_launches(result.backward, dout, fused=fused)
+        with splitting(case.split):
+            context_parallel_attention(q, k, v, **kwargs).backward(dout)  # warm-up
+            with BlockCounter() as blocks:
+                result, forward = count_launches(context_parallel_attention, q, k, v,
+                                                 fused=fused, **kwargs)
+            _, backward = count_launches(result.backward, dout, fused=fused)
         out.append((forward, backward, len(blocks.computed)))
     return out
