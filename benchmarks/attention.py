@@ -47,9 +47,13 @@ an S x S mask (the efficient kernel too; flash's own window, varlen ``window_siz
 called), up to S = 64K. Every row is timed twice in the same run, with the eager LSE merge
 and masks and with fused ones (``--fused off auto``: ``MEGATRON_HCP_FUSED_OPS`` modes;
 ``auto`` fuses where Triton runs), against the same SDPA time; the verdict is the second's.
+A second table replays packed (``thd``) sequences (16 heads of 128; ``--packed-seqs``, default
+S 32K and 64K): four long sequences (S/2, S/4, S/8, S/8) and 64 short ones, every rank's blocks
+as masked blocks and with ``MEGATRON_HCP_SPLIT_PACKED=auto`` (per-sequence pieces where they
+cost less), against one SDPA call per sequence (the work of one varlen flash call).
 ``.venv/bin/python benchmarks/attention.py --device cuda [--seqs 32768 65536 131072
 --problems mha gqa mla window --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16
---fused off auto]``
+--fused off auto --packed-seqs 32768 65536]``
 """
 
 from __future__ import annotations
@@ -336,6 +340,58 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
     return lines
 
 
+# the --device cuda packed (thd) problems: sequence lengths as parts of S (16 heads of 128)
+PACKINGS = {"packed 4 long": (8, 4, 2, 2), "packed 64 short": (1,) * 64}
+
+
+def packed_lengths(seq: int, parts: tuple[int, ...]) -> tuple[int, ...]:
+    """``seq`` tokens cut into sequences in proportion to ``parts`` (``seq`` a multiple of
+    their sum)."""
+    unit, rest = divmod(seq, sum(parts))
+    if rest:
+        raise ValueError(f"S={seq} is not a multiple of {sum(parts)} (packing {parts})")
+    return tuple(unit * p for p in parts)
+
+
+def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], heads: int,
+                       dim: int, dtype: str, cps: list[int], repeats: int,
+                       device: str = "cuda", splits: tuple[str, str] = ("off", "auto")
+                       ) -> list[str]:
+    """Lines of the --device cuda packed table: per packing, S and CP size, every rank's
+    blocks of packed (thd) sequences with each of the two ``splits``
+    (``MEGATRON_HCP_SPLIT_PACKED``: masked blocks, and per-sequence pieces where they cost
+    less) against one SDPA call per sequence (what one varlen flash call computes); the
+    blocks' kernels and masks with the second. CP sizes that do not cut every sequence into
+    2*CP chunks are left out."""
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    before, after = splits
+    lines = [f"{name}, torch {torch.__version__}, {dtype}, causal, {heads} heads of {dim}; "
+             f"forward + backward, best of {repeats}; split {before} | {after} "
+             "(MEGATRON_HCP_SPLIT_PACKED); baseline: one SDPA call per sequence"]
+    header = (f"{'packing':<16} {'S':>6} {'CP':>3} {'calls/rank':>10} {'ms ' + before:>10} "
+              f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8}  "
+              f"kernels (forward calls); masks ({after})")
+    lines += [header, "-" * len(header)]
+    for label, parts in packings.items():
+        for s in seqs:
+            lengths = packed_lengths(s, parts)
+            for cp in (c for c in cps if all(n % (2 * c) == 0 for n in lengths)):
+                problem = dict(seq=s, heads=heads, kv_heads=heads, dim=dim, cp=cp,
+                               dtype=DTYPES[dtype], device=device, repeats=repeats,
+                               lengths=lengths)
+                old = measure_block_cost(**problem, split=before)
+                new = measure_block_cost(**problem, split=after, sdpa_s=old.sdpa_s)
+                kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
+                                    for (k, why), n in sorted(new.kernels.items()))
+                masks = ", ".join(f"{path} {n}" for path, n in sorted(new.masks.items()))
+                size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
+                lines.append(f"{label:<16} {size:>6} {cp:>3} {new.blocks_per_rank:>10} "
+                             f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
+                             f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x  "
+                             f"{kernels}; masks {masks or 'none'}")
+    return lines
+
+
 def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
     """Lines of the --launches table (module docstring) from every rank's
     ``launch_proxy.rank_launches(fused=fused)``."""
@@ -393,6 +449,9 @@ def main() -> None:
     parser.add_argument("--layouts", action="store_true",
                         help="zigzag vs contiguous on the p2p ring: bytes and score entries per "
                         "rank for windows S/64, S/16, S/4 and full causal at CP 2/4/8 (cpu)")
+    parser.add_argument("--packed-seqs", type=int, nargs="*", default=[32768, 65536],
+                        help="cuda only: S of the packed (thd) table, masked blocks against "
+                        "per-sequence pieces (none: no packed table)")
     parser.add_argument("--launches", action="store_true",
                         help="kernels launched per rank per step, every comm type and feature "
                         "(the CPU proxy of GPU overhead, 4 gloo ranks)")
@@ -419,6 +478,9 @@ def main() -> None:
         seqs = args.seqs or [32768, 65536, 131072]
         print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
                                          fused=tuple(args.fused))))
+        if args.packed_seqs:
+            print("\n".join(packed_block_table(args.packed_seqs, PACKINGS, h, d, args.dtype,
+                                                args.cp, args.repeats)))
         return
     if args.layouts:
         with LocalWorld(max(LAYOUT_CPS), timeout_s=1200) as world:

@@ -273,7 +273,7 @@ def test_grouped_kv_reach_the_cuda_flash_kernel_unexpanded(report):
 def _in_pieces(cases, split, device):
     from megatron_hcp.attention.reference.pieces import splitting
 
-    with BlockCounter() as counter, splitting(split):
+    with BlockCounter() as counter, splitting(split):  # in this rank thread
         errors = run_cases(cases, device)
     return errors, dict(counter.kernels), sum(counter.masks.values())
 

@@ -15,8 +15,9 @@ A sliding window makes the blocks masked (the fused kernels with an additive mas
 window sees nothing of skipped); its baseline is one SDPA call with the window as an S x S mask,
 which torch runs on its efficient kernel (flash takes no mask): up to
 ``MAX_WINDOW_BASELINE`` tokens. Flash's own window (varlen ``window_size``) would be a faster
-baseline; it is not called here. One dense sequence only: packed ``thd`` batches are not
-replayed.
+baseline; it is not called here. Packed sequences (``lengths``) replay the blocks of packed
+``thd`` data (halves grouped, as the backend holds them), masked or in per-sequence pieces
+(:mod:`.pieces`), against one SDPA call per sequence.
 
 ``fused``: how the replay runs its merges and masks (:mod:`.fused`: ``"off"`` eager,
 ``"auto"`` fused where Triton runs, ``"on"`` fused), so one run measures both;
@@ -25,6 +26,7 @@ replayed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -36,9 +38,10 @@ from .blocks import BlockCounter, Window, plan_block
 from .functions import _backward_block, _forward_block
 from .fused import fusing
 from .kernels import acc_dtype
+from .pieces import splitting
 from .seq_layout import SeqLayout
 
-__all__ = ["BlockCost", "band_mask", "measure_block_cost", "rank_block_pass"]
+__all__ = ["BlockCost", "band_mask", "local_tokens", "measure_block_cost", "rank_block_pass"]
 
 # the largest sequence whose one-call windowed baseline (an S x S mask) is measured
 MAX_WINDOW_BASELINE = 65536
@@ -61,24 +64,30 @@ class BlockCost:
         return self.blocks_s / self.sdpa_s
 
 
-def _local(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s load-balanced chunks (``rank`` and ``2cp-1-rank``) of [B,H,S,D]."""
-    chunks = x.chunk(2 * cp, dim=2)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2).contiguous()
-
-
 def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     cp: int, rank: int, *, causal: bool = True, scale: float | None = None,
-                    window: Window = None) -> tuple[torch.Tensor, ...]:
+                    window: Window = None, lengths: tuple[int, ...] | None = None
+                    ) -> tuple[torch.Tensor, ...]:
     """Forward + backward of rank ``rank``'s CP blocks from global [B,H,S,D] tensors (K/V of
     every source already at hand; a sliding ``window``: masked blocks, those it sees nothing
-    of skipped); returns (out, dq, dk of every source, dv of every source) - the rank's output
-    and its gradient contributions, in the accumulation dtype."""
+    of skipped; ``lengths``: S packed sequences of these lengths, each a multiple of
+    ``2*cp``, held with their halves grouped as the backend holds them - masked blocks, or
+    their per-sequence pieces, :mod:`.pieces`); returns (out, dq, dk of every source, dv of
+    every source) - the rank's output and its gradient contributions, in the accumulation
+    dtype, its tokens in :func:`local_tokens` order."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     acc = acc_dtype(q.dtype)
-    layout = SeqLayout.dense(q.shape[2] // cp, cp, rank, device=str(q.device))
-    q_r, dout_r = _local(q, cp, rank), _local(dout, cp, rank)
-    kv = [(_local(k, cp, s), _local(v, cp, s)) for s in range(cp)]
+    if lengths is None:
+        layout = SeqLayout.dense(q.shape[2] // cp, cp, rank, device=str(q.device))
+    else:
+        layout = SeqLayout(lengths, lengths, cp, rank, device=str(q.device))
+        layout = layout.with_grouped_halves() if layout.groupable else layout
+
+    def local(x, position):
+        return x.index_select(2, local_tokens(x.shape[2], cp, position, lengths, x.device))
+
+    q_r, dout_r = local(q, rank), local(dout, rank)
+    kv = [(local(k, s), local(v, s)) for s in range(cp)]
     b, h, n, _ = q_r.shape
     # the backend's output layout: [B, S, H, Dv] in memory (functions._new_acc)
     out = torch.zeros(b, n, h, v.shape[-1], dtype=acc, device=q.device).permute(0, 2, 1, 3)
@@ -95,6 +104,23 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     for src, block in blocks:
         _backward_block(dout_r, q_r, *kv[src], final, lse, block, scale, dq, dk[src], dv[src])
     return (out, dq, *dk, *dv)
+
+
+def local_tokens(seq: int, cp: int, rank: int, lengths: tuple[int, ...] | None = None,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """Global token indices of rank ``rank``'s tokens in the order :func:`rank_block_pass`
+    holds them: chunks ``rank`` and ``2cp-1-rank`` of the sequence, or of every packed
+    sequence of ``lengths`` - at CP > 1 with the halves grouped (every first half, then every
+    second: :func:`~.seq_layout.half_grouping`), at CP 1 sequence by sequence."""
+    halves: list[list[torch.Tensor]] = [[], []]
+    offset = 0
+    for n in lengths if lengths is not None else (seq,):
+        c = n // (2 * cp)
+        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+            halves[half if cp > 1 else 0].append(
+                torch.arange(offset + chunk * c, offset + (chunk + 1) * c))
+        offset += n
+    return torch.cat(halves[0] + halves[1]).to(device)
 
 
 def band_mask(seq: int, causal: bool, window: Window, device: torch.device) -> torch.Tensor:
@@ -131,17 +157,26 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                        dtype: torch.dtype, device: str | torch.device, batch: int = 1,
                        causal: bool = True, repeats: int = 3, seed: int = 0,
                        dim_v: int | None = None, window: Window = None,
-                       fused: str = "auto", sdpa_s: float | None = None) -> BlockCost:
+                       fused: str = "auto", sdpa_s: float | None = None,
+                       lengths: tuple[int, ...] | None = None, split: str = "auto"
+                       ) -> BlockCost:
     """Time every rank's blocks (summed) and one SDPA call on the same causal problem
     (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
     ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
     efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens). ``fused``:
     the mode of the replay's merges and masks (module docstring); ``sdpa_s``: the SDPA time of
-    this problem measured already (the other mode's row), not measured again."""
+    this problem measured already (the other mode's row), not measured again. ``lengths``:
+    ``seq`` tokens packed as sequences of these lengths (each a multiple of ``2*cp``; no
+    window), replayed with ``split`` as ``MEGATRON_HCP_SPLIT_PACKED`` (:mod:`.pieces`), against
+    one SDPA call per sequence, summed (what one varlen flash call computes)."""
     device = torch.device(device)
     if window is not None and seq > MAX_WINDOW_BASELINE:
         raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "
                          f"mask is too large; use seq <= {MAX_WINDOW_BASELINE}")
+    if lengths is not None and (window is not None or sum(lengths) != seq
+                                or any(n % (2 * cp) for n in lengths)):
+        raise ValueError(f"lengths={lengths}: packed sequences must sum to seq={seq}, each a "
+                         f"multiple of 2*cp={2 * cp}, without a window")
     if seq % (2 * cp):
         raise ValueError(f"seq={seq}: must be a multiple of 2*cp={2 * cp} (two chunks per rank)")
     if heads % kv_heads:
@@ -156,7 +191,8 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
 
     def replay():
         for rank in range(cp):
-            rank_block_pass(q, k, v, dout, cp, rank, causal=causal, window=window)
+            rank_block_pass(q, k, v, dout, cp, rank, causal=causal, window=window,
+                            lengths=lengths)
 
     # torch's flash kernel (its efficient one where flash cannot run: fp32, MLA head dims; on
     # the CPU, where neither takes MLA head dims, the math one)
@@ -165,16 +201,19 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
         backends.append(SDPBackend.MATH)
 
     band = None if window is None else band_mask(seq, causal, window, device)
+    pieces = [slice(0, seq)] if lengths is None else [
+        slice(start, start + n) for start, n in zip(itertools.accumulate((0, *lengths)), lengths)]
 
     def sdpa():
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(backends):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=band, is_causal=causal and band is None,
-                enable_gqa=kv_heads != heads)
-        out.backward(dout)
+        for part in pieces:
+            qq, kk, vv = (t[:, :, part].detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(backends):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qq, kk, vv, attn_mask=band, is_causal=causal and band is None,
+                    enable_gqa=kv_heads != heads)
+            out.backward(dout[:, :, part])
 
-    with torch.no_grad(), fusing(fused):
+    with torch.no_grad(), fusing(fused), splitting(split):
         blocks_s = _best(replay, repeats, device)
         with BlockCounter() as counter:
             replay()

@@ -15,6 +15,8 @@ Tensors are ``[B, H, S, D]`` (V and the output may have their own head dim ``Dv`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,7 @@ from . import comm
 from .blocks import Block, Window, plan_block, record_block, take
 from .kernels import acc_dtype, block_backward, block_forward
 from .merge import merge_into
+from .pieces import split_mode, splitting
 from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]
@@ -179,6 +182,18 @@ def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int)
             kv = incoming
 
 
+def _as_planned(backward):
+    """``backward`` with packed blocks planned as its forward planned them
+    (``ctx.split``: :func:`~.pieces.split_mode` then): the autograd engine may run it on a
+    thread of its own (CUDA), which does not see a :func:`~.pieces.splitting` of the
+    forward's thread."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        with splitting(ctx.split):
+            return backward(ctx, *grads)
+    return run
+
+
 class RingAttention(torch.autograd.Function):
     """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order). The ring runs
     :func:`ring_reach` + 1 steps: in the contiguous layout under a backward-looking window it
@@ -211,9 +226,11 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, packed, out, lse, sink, bias)
         ctx.meta = (layout, group, ranks, causal, scale, window, k.shape, v.shape)
+        ctx.split = split_mode()
         return out
 
     @staticmethod
+    @_as_planned
     def backward(ctx, dout):
         q, packed, out, lse, sink, bias = ctx.saved_tensors
         layout, group, ranks, causal, scale, window, k_shape, v_shape = ctx.meta
@@ -323,9 +340,11 @@ class AllGatherAttention(torch.autograd.Function):
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (layout, group, causal, scale, window)
+        ctx.split = split_mode()
         return out
 
     @staticmethod
+    @_as_planned
     def backward(ctx, dout):
         q, k, v, out, lse, sink = ctx.saved_tensors
         layout, group, causal, scale, window = ctx.meta

@@ -12,7 +12,8 @@ running output like any block. Rows no piece reaches (padding) keep output 0 and
 
 A piece costs launches (its kernel, its merge, its gradients' adds, forward and backward), so
 splitting pays where sequences are long and few, and loses where they are many and short.
-``MEGATRON_HCP_SPLIT_PACKED`` chooses, read at every plan (:func:`split_mode` validates it):
+``MEGATRON_HCP_SPLIT_PACKED`` chooses, read at every plan (:func:`split_mode` validates it;
+:func:`splitting` overrides it in a thread):
 
 * ``auto`` (the default) - split where the pieces' pairs plus :data:`PIECE_COST_PAIRS` per
   piece stay within the masked block's rows x cols: the same plan on every device (the CPU
@@ -27,6 +28,7 @@ dense piece), and so do layouts whose runs meet otherwise than above (none the p
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 from functools import lru_cache
@@ -46,8 +48,18 @@ SPLIT_MODES = ("auto", "on", "off")
 PIECE_COST_PAIRS = 2**20
 
 
+# splitting()'s choice for the code it wraps: a context variable, so that rank threads of one
+# process (tests/gpu, ThreadedWorld) each choose without racing on the process's environment
+_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "megatron_hcp_split_packed", default=None)
+
+
 def split_mode() -> str:
-    """``MEGATRON_HCP_SPLIT_PACKED`` (default ``auto``), checked against :data:`SPLIT_MODES`."""
+    """The mode :func:`splitting` chose here, else ``MEGATRON_HCP_SPLIT_PACKED`` (default
+    ``auto``), checked against :data:`SPLIT_MODES`."""
+    chosen = _CHOSEN.get()
+    if chosen is not None:
+        return chosen
     value = os.environ.get(SPLIT_ENV, "auto")
     mode = value.strip().lower()
     if mode not in SPLIT_MODES:
@@ -60,13 +72,15 @@ def split_mode() -> str:
 
 @contextlib.contextmanager
 def splitting(mode: str) -> Iterator[None]:
-    """``MEGATRON_HCP_SPLIT_PACKED`` set to ``mode`` inside the block, as it was after it."""
+    """Packed blocks planned as ``mode`` inside the block, in this thread (over the
+    environment variable; the benchmarks measure both ways in one run)."""
     if mode not in SPLIT_MODES:
         raise CPAttentionError(f"split mode {mode!r}: use one of {', '.join(SPLIT_MODES)}")
-    from ...local_world import environment  # the project's set-and-restore of os.environ
-
-    with environment({SPLIT_ENV: mode}):
+    token = _CHOSEN.set(mode)
+    try:
         yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 class Run(NamedTuple):

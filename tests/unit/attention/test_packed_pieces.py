@@ -5,7 +5,9 @@ less than the masked block."""
 
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -144,6 +146,8 @@ def test_the_switch_reads_auto_on_and_off(monkeypatch):
     for value, mode in ((" On ", "on"), ("OFF", "off"), ("auto", "auto")):
         monkeypatch.setenv(SPLIT_ENV, value)
         assert split_mode() == mode
+    with splitting("off"):  # a thread's choice wins over the environment
+        assert split_mode() == "off"
     monkeypatch.setenv(SPLIT_ENV, "always")
     with pytest.raises(CPAttentionError, match=r"MEGATRON_HCP_SPLIT_PACKED='always': use auto "
                                                r".* on .* or off .*unset it for auto"):
@@ -160,7 +164,7 @@ def threads():
 
 
 def _split_cases(cases):
-    with BlockCounter() as counter, splitting("on"):
+    with BlockCounter() as counter, splitting("on"):  # in this rank thread
         errors = run_cases(cases)
     return errors, counter.masks, len(counter.computed)
 
@@ -180,3 +184,95 @@ def test_oracle_thd_cases_computed_in_pieces(threads, comm, mode):
     assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
     assert not any(masks for _, masks, _ in per_rank), [masks for _, masks, _ in per_rank]
     assert all(blocks > 0 for *_, blocks in per_rank)
+
+
+@pytest.mark.parametrize("split", ["off", "on"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_packed_replay_does_the_work_of_packed_attention(cp, split):
+    """The speed benchmark's packed replay (every rank's blocks of packed sequences, masked or
+    in pieces, no communication) computes per-sequence causal attention: output and
+    gradients, assembled from the ranks, equal one SDPA call per sequence (fp64)."""
+    from megatron_hcp.attention.reference.block_cost import local_tokens, rank_block_pass
+
+    lengths = tuple(2 * cp * n for n in (3, 1, 5))
+    seq = sum(lengths)
+    gen = torch.Generator().manual_seed(cp)
+    q, dout = (torch.randn(1, 4, seq, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    start = 0
+    for n in lengths:
+        part = [x[:, :, start:start + n] for x in ref_in]
+        torch.nn.functional.scaled_dot_product_attention(
+            *part, is_causal=True, enable_gqa=True).backward(dout[:, :, start:start + n])
+        start += n
+    ref_out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[:, :, a:a + n] for x in (q, k, v)), is_causal=True, enable_gqa=True)
+        for a, n in zip((0, *itertools.accumulate(lengths)), lengths)], dim=2)
+    out, dq = torch.zeros_like(ref_out), torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    with BlockCounter() as counter, splitting(split):
+        for rank in range(cp):
+            got, gq, *rest = rank_block_pass(q, k, v, dout, cp, rank, lengths=lengths)
+            mine = local_tokens(seq, cp, rank, lengths)
+            out[:, :, mine], dq[:, :, mine] = got, gq
+            for src in range(cp):
+                theirs = local_tokens(seq, cp, src, lengths)
+                dk[:, :, theirs] += rest[src]
+                dv[:, :, theirs] += rest[cp + src]
+    assert bool(counter.masks) == (split == "off")  # pieces: no mask built
+    for got, want in ((out, ref_out), (dq, ref_in[0].grad), (dk, ref_in[1].grad),
+                      (dv, ref_in[2].grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_backward_plans_as_its_forward_did(monkeypatch):
+    """A backward run on another thread (the autograd engine's own, on CUDA), which does not
+    see the forward's ``splitting``, computes the pieces the forward computed: no mask built,
+    gradients those of the masked blocks."""
+    monkeypatch.delenv(SPLIT_ENV, raising=False)  # auto: this small packing stays masked
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32)  # lengths 5 and 6, padded to 6 and 6
+    pad = torch.tensor([0, 6, 12], dtype=torch.int32)
+    q, k, v, dout = (torch.randn(12, 2, 8, generator=gen, dtype=torch.float64)
+                     for _ in range(4))
+    grads = {}
+    for split in ("on", "off"):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        with splitting(split):
+            out = local_attention(*ins, qkv_format="thd", cu_seqlens_q=cu,
+                                  cu_seqlens_q_padded=pad)
+        seen = {}
+
+        def backward(out=out, seen=seen):
+            with BlockCounter() as counter:
+                out.backward(dout)
+            seen["masks"] = sum(counter.masks.values())
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+        assert seen["masks"] == (0 if split == "on" else 1), (split, seen)
+        grads[split] = [x.grad for x in ins]
+    for got, want in zip(grads["on"], grads["off"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_packed_table_times_masked_blocks_and_pieces():
+    """benchmarks/attention.py --device cuda's packed table, run small on the CPU: a row per
+    packing, S and CP size that cuts every sequence, masked blocks (split off) and pieces
+    (split on) timed against one SDPA call per sequence; pieces build no mask."""
+    from benchmarks.attention import packed_block_table, packed_lengths
+
+    assert packed_lengths(64, (8, 4, 2, 2)) == (32, 16, 8, 8)
+    with pytest.raises(ValueError, match="S=60 is not a multiple of 16"):
+        packed_lengths(60, (8, 4, 2, 2))
+    lines = packed_block_table([64], {"long": (8, 4, 2, 2), "short": (1,) * 4}, 2, 8,
+                               "fp32", [2, 4, 8], 1, device="cpu", splits=("off", "on"))
+    rows = lines[3:]
+    assert lines[0].startswith("CPU, torch") and "baseline: one SDPA call per sequence" in lines[0]
+    # long: 32/16/8/8 tokens cut by CP 2 and 4 (CP 8: 8 tokens are not 16 chunks); short: 16
+    assert [r.split()[:3] for r in rows] == [["long", "64", "2"], ["long", "64", "4"],
+                                             ["short", "64", "2"], ["short", "64", "4"],
+                                             ["short", "64", "8"]], rows
+    assert all(r.endswith("masks none") and "cpu_flash" in r for r in rows), rows
