@@ -50,7 +50,8 @@ and masks and with fused ones (``--fused off auto``: ``MEGATRON_HCP_FUSED_OPS`` 
 A second table replays packed (``thd``) sequences (16 heads of 128; ``--packed-seqs``, default
 S 32K and 64K): four long sequences (S/2, S/4, S/8, S/8) and 64 short ones, every rank's blocks
 as masked blocks and with ``MEGATRON_HCP_SPLIT_PACKED=auto`` (per-sequence pieces where they
-cost less), against one SDPA call per sequence (the work of one varlen flash call).
+cost less), against one SDPA call per sequence (the work of one varlen flash call, with a
+call's launches per sequence: for many short sequences a varlen call would be faster).
 ``.venv/bin/python benchmarks/attention.py --device cuda [--seqs 32768 65536 131072
 --problems mha gqa mla window --heads 16 --dim 128 --dtype bf16 --cp 2 4 8 16
 --fused off auto --packed-seqs 32768 65536]``
@@ -360,7 +361,8 @@ def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], he
     """Lines of the --device cuda packed table: per packing, S and CP size, every rank's
     blocks of packed (thd) sequences with each of the two ``splits``
     (``MEGATRON_HCP_SPLIT_PACKED``: masked blocks, and per-sequence pieces where they cost
-    less) against one SDPA call per sequence (what one varlen flash call computes); the
+    less) against one SDPA call per sequence (the work one varlen flash call computes, with
+    each call's launches); the
     blocks' kernels and masks with the second. CP sizes that do not cut every sequence into
     2*CP chunks are left out."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"

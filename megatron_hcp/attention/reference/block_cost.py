@@ -168,7 +168,8 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
     this problem measured already (the other mode's row), not measured again. ``lengths``:
     ``seq`` tokens packed as sequences of these lengths (each a multiple of ``2*cp``; no
     window), replayed with ``split`` as ``MEGATRON_HCP_SPLIT_PACKED`` (:mod:`.pieces`), against
-    one SDPA call per sequence, summed (what one varlen flash call computes)."""
+    one SDPA call per sequence, summed (the work one varlen flash call computes, with each
+    call's launches)."""
     device = torch.device(device)
     if window is not None and seq > MAX_WINDOW_BASELINE:
         raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "

@@ -94,10 +94,13 @@ def _size(sel: Selector, n: int) -> int:
 
 
 def record_block(block: Block | None, layout: SeqLayout) -> None:
-    """Count a forward block (``None``: skipped) in every active :class:`BlockCounter`."""
-    if block is not None and block.pieces is not None:  # the pieces are the blocks run
-        for piece in block.pieces:
-            record_block(piece, layout)
+    """Count a forward block (``None``: skipped; one in pieces: each piece, or skipped where it
+    has none) in every active :class:`BlockCounter`."""
+    if block is not None and block.pieces is not None:  # the pieces are the blocks run;
+        for piece in block.pieces:  # none (every token padding): nothing is seen, as a
+            record_block(piece, layout)  # window's skipped block
+        if not block.pieces:
+            record_block(None, layout)
         return
     for counter in _COUNTERS.get():
         if block is None:

@@ -117,20 +117,27 @@ def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @lru_cache(maxsize=1)
 def cpu_flash_takes_grouped_kv() -> bool:
     """Whether this torch's CPU flash kernel computes grouped-query attention itself (K/V with
-    fewer heads than q, forward and backward, dK/dV summed over each group), checked once
-    against the same block on K/V expanded to q's heads (a torch that read such K/V wrongly
-    would disagree; one that refuses them raises)."""
+    fewer heads than q, forward and backward, dK/dV summed over each group). Asked first of
+    torch's SDPA dispatcher, which picks that kernel for such K/V (``enable_gqa``) only where
+    it does - older releases pick the math path, and their kernel, never given such K/V, would
+    read them at the query heads' index - then checked once against the same block on K/V
+    expanded to q's heads."""
+    from torch.nn.attention import SDPBackend
+
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, 4, 8, generator=gen) for h in (2, 1, 1, 2))
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, enable_gqa=True)
+    except (AttributeError, TypeError, RuntimeError):  # no such dispatcher question here
+        return False
+    if choice != int(SDPBackend.FLASH_ATTENTION):
+        return False
     add = torch.zeros(4, 4).masked_fill_(torch.ones(4, 4, dtype=torch.bool).triu(1), _NEG_INF)
     ke, ve = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    try:
-        out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=0.5)
-        dq, dk, dv = back(dout, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=0.5)
-    except RuntimeError:
-        return False
+    out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=0.5)
+    dq, dk, dv = back(dout, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=0.5)
     want_out, want_lse = flash(q, ke, ve, 0.0, False, attn_mask=add, scale=0.5)
     want = back(dout, q, ke, ve, want_out, want_lse, 0.0, False, attn_mask=add, scale=0.5)
     got = (out, lse, dq, dk, dv)
@@ -328,7 +335,7 @@ def block_forward(
     if kernel is None:
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     record_kernel(kernel.kernel, kernel.reason)
-    if kernel.kernel == MATH or not takes_grouped_kv(kernel.kernel):
+    if k.shape[1] != heads and (kernel.kernel == MATH or not takes_grouped_kv(kernel.kernel)):
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     if kernel.kernel != MATH:
         return _fused_forward(kernel.kernel, q, k, v, scale, causal, mask)
@@ -367,7 +374,7 @@ def block_backward(
     dbias = None
     if kernel is None:
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
-    grouped = kernel.kernel != MATH and takes_grouped_kv(kernel.kernel)
+    grouped = kv_heads == heads or (kernel.kernel != MATH and takes_grouped_kv(kernel.kernel))
     ke, ve = (k, v) if grouped else (_expand_kv(k, heads), _expand_kv(v, heads))
     if kernel.kernel != MATH:
         dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,

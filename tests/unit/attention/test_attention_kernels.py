@@ -215,6 +215,34 @@ def test_torch_is_asked_about_grouped_kv_as_such():
     assert not _torch_accepts(CUDA_EFFICIENT, q, kv.repeat_interleave(2, 1), kv, False)
 
 
+def test_the_cpu_probe_asks_torchs_dispatcher_first(monkeypatch):
+    """Where torch's SDPA dispatcher does not give GQA's K/V to the CPU flash kernel (releases
+    before that kernel computed GQA: it would read K/V at the query heads' index, past their
+    end), K/V are expanded and the probe never calls the kernel with them; MHA blocks never
+    ask."""
+    from torch.nn.attention import SDPBackend
+
+    from megatron_hcp.attention.reference import kernels
+
+    kernels.cpu_flash_takes_grouped_kv.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: int(SDPBackend.MATH))
+        assert not kernels.cpu_flash_takes_grouped_kv()
+        q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+        out, lse = block_forward(q, kv, kv, scale=0.3, causal=True,
+                                 kernel=KernelChoice(CPU_FLASH))
+        assert out.shape == q.shape
+    finally:
+        kernels.cpu_flash_takes_grouped_kv.cache_clear()
+
+    def asked(kernel):
+        raise AssertionError("an MHA block asked whether its kernel takes grouped K/V")
+
+    monkeypatch.setattr(kernels, "takes_grouped_kv", asked)
+    out, lse = block_forward(q, q, q, scale=0.3, causal=True)
+    block_backward(q, q, q, q, out, lse, scale=0.3, causal=True)
+
+
 @pytest.mark.parametrize(("dtype", "masked"), itertools.product([F64, F32, BF16], [False, True]))
 def test_grouped_kv_reach_the_cpu_flash_kernel_unexpanded(monkeypatch, dtype, masked):
     """GQA blocks (8 query heads, 2 KV heads) give the CPU flash kernel K/V as they are: they
