@@ -33,12 +33,12 @@ from ...config import CP_COMM_TYPES
 from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
 from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
 from .fused import fused_mode
+from .packing import packing_lengths
 from .pieces import split_mode
 from .seq_layout import (
     CPAttentionError,
     SeqLayout,
     a2a_gather_permutation,
-    check_cu_seqlens,
     half_grouping,
 )
 
@@ -323,23 +323,14 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         pad_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
         pad_kv = pad_q if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
-        # each distinct tensor read by the host once (on a GPU, each read is a synchronisation;
-        # megatron passes the same tensor as q's and kv's metadata)
-        host = {id(t): t.cpu() for t in (cu_seqlens_q, cu_kv, pad_q, pad_kv)}
-        cu_host, pad_host = host[id(cu_seqlens_q)], host[id(pad_q)]
-        if not (torch.equal(cu_host, host[id(cu_kv)]) and torch.equal(pad_host,
-                                                                       host[id(pad_kv)])):
-            raise CPAttentionError(
-                "cu_seqlens_q/_kv (and their padded forms) differ; CP attention supports "
-                "self-attention with one packing"
-            )
-        check_cu_seqlens(cu_host, pad_host, n, cp_partition_mode=mode)
-        layout = SeqLayout(tuple(seq_lengths(pad_host)), tuple(seq_lengths(cu_host)), n, flat,
-                           mode, str(q.device))
+        # read on the host (on a GPU a synchronisation) and checked once per packing, not
+        # per layer: packing.py
+        padded, real = packing_lengths(cu_seqlens_q, cu_kv, pad_q, pad_kv, n, mode)
+        layout = SeqLayout(padded, real, n, flat, mode, str(q.device))
         if layout.local_tokens != qh.shape[2]:
             raise CPAttentionError(
                 f"q holds {qh.shape[2]} tokens but cu_seqlens_q_padded gives "
-                f"{int(pad_q[-1])} / cp={n} = {layout.local_tokens} per rank; pass the "
+                f"{sum(padded)} / cp={n} = {layout.local_tokens} per rank; pass the "
                 "sharded tensor (get_local_chunk) and the full-batch cu_seqlens"
             )
     else:
