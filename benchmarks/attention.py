@@ -78,6 +78,7 @@ from megatron_hcp.attention.reference import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
     MAX_WINDOW_BASELINE,
+    BlockCost,
     measure_block_cost,
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
@@ -290,6 +291,32 @@ PROBLEMS = {"mha": None, "gqa": (32, 8, 128, 128), "mla": (16, 16, 192, 128),
             "window": (16, 16, 128, 128, 4096)}
 
 
+def _both_ways(problem: dict, switch: str, modes: tuple[str, str]) -> tuple[BlockCost, BlockCost]:
+    """``problem`` measured with ``switch`` (``fused`` or ``split``) in each of ``modes``,
+    against one baseline time."""
+    old = measure_block_cost(**problem, **{switch: modes[0]})
+    return old, measure_block_cost(**problem, **{switch: modes[1]}, sdpa_s=old.sdpa_s)
+
+
+def _times(old: BlockCost, new: BlockCost) -> str:
+    """The ms and ratio columns of a row measured both ways."""
+    return (f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} {new.sdpa_s * 1e3:>9.2f} "
+            f"{old.ratio:>7.2f}x {new.ratio:>7.2f}x")
+
+
+def _kernels(cost: BlockCost) -> str:
+    return ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
+                     for (k, why), n in sorted(cost.kernels.items()))
+
+
+def _paths(done: dict[str, int]) -> str:
+    return ", ".join(f"{path} {n}" for path, n in sorted(done.items()))
+
+
+def _size(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+
+
 def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                     dtype: str, cps: list[int], repeats: int, device: str = "cuda",
                     fused: tuple[str, str] = ("off", "auto")) -> Iterator[str]:
@@ -325,19 +352,13 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                 problem = dict(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                window=window)
-                old = measure_block_cost(**problem, fused=before)
-                new = measure_block_cost(**problem, fused=after, sdpa_s=old.sdpa_s)
-                kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
-                                    for (k, why), n in sorted(new.kernels.items()))
+                old, new = _both_ways(problem, "fused", fused)
                 paths = "; ".join(
-                    f"{what} " + ", ".join(f"{path} {n}" for path, n in sorted(done.items()))
+                    f"{what} " + _paths(done)
                     for what, done in (("merges", new.merges), ("masks", new.masks)) if done)
                 verdict = "met" if new.ratio <= goal(cp) else "missed"
-                size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-                yield (f"{what:<22} {size:>6} {cp:>3} {new.blocks_per_rank:>11} "
-                       f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
-                       f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x "
-                       f"{verdict:>7}  {kernels}; {paths or 'none'}")
+                yield (f"{what:<22} {_size(s):>6} {cp:>3} {new.blocks_per_rank:>11} "
+                       f"{_times(old, new)} {verdict:>7}  {_kernels(new)}; {paths or 'none'}")
     if skipped:
         yield (f"not measured: {', '.join(skipped)} (a window's one-call baseline takes an "
                f"S x S mask: S <= {MAX_WINDOW_BASELINE})")
@@ -383,16 +404,9 @@ def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], he
                 problem = dict(seq=s, heads=heads, kv_heads=heads, dim=dim, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                lengths=lengths)
-                old = measure_block_cost(**problem, split=before)
-                new = measure_block_cost(**problem, split=after, sdpa_s=old.sdpa_s)
-                kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
-                                    for (k, why), n in sorted(new.kernels.items()))
-                masks = ", ".join(f"{path} {n}" for path, n in sorted(new.masks.items()))
-                size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-                yield (f"{label:<16} {size:>6} {cp:>3} {new.blocks_per_rank:>10} "
-                       f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
-                       f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x  "
-                       f"{kernels}; masks {masks or 'none'}")
+                old, new = _both_ways(problem, "split", splits)
+                yield (f"{label:<16} {_size(s):>6} {cp:>3} {new.blocks_per_rank:>10} "
+                       f"{_times(old, new)}  {_kernels(new)}; masks {_paths(new.masks) or 'none'}")
 
 
 def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
