@@ -64,6 +64,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ from megatron_hcp.attention.reference import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
     MAX_WINDOW_BASELINE,
+    BlockCost,
     measure_block_cost,
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
@@ -289,10 +291,37 @@ PROBLEMS = {"mha": None, "gqa": (32, 8, 128, 128), "mla": (16, 16, 192, 128),
             "window": (16, 16, 128, 128, 4096)}
 
 
+def _both_ways(problem: dict, switch: str, modes: tuple[str, str]) -> tuple[BlockCost, BlockCost]:
+    """``problem`` measured with ``switch`` (``fused`` or ``split``) in each of ``modes``,
+    against one baseline time."""
+    old = measure_block_cost(**problem, **{switch: modes[0]})
+    return old, measure_block_cost(**problem, **{switch: modes[1]}, sdpa_s=old.sdpa_s)
+
+
+def _times(old: BlockCost, new: BlockCost) -> str:
+    """The ms and ratio columns of a row measured both ways."""
+    return (f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} {new.sdpa_s * 1e3:>9.2f} "
+            f"{old.ratio:>7.2f}x {new.ratio:>7.2f}x")
+
+
+def _kernels(cost: BlockCost) -> str:
+    return ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
+                     for (k, why), n in sorted(cost.kernels.items()))
+
+
+def _paths(done: dict[str, int]) -> str:
+    return ", ".join(f"{path} {n}" for path, n in sorted(done.items()))
+
+
+def _size(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+
+
 def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                     dtype: str, cps: list[int], repeats: int, device: str = "cuda",
-                    fused: tuple[str, str] = ("off", "auto")) -> list[str]:
-    """Lines of the --device cuda table (one GPU; ``device="cpu"`` runs the same table small,
+                    fused: tuple[str, str] = ("off", "auto")) -> Iterator[str]:
+    """The lines of the --device cuda table, each yielded once measured (a run cut short keeps
+    the rows it printed) (one GPU; ``device="cpu"`` runs the same table small,
     in the tests): per problem, sequence length and CP size, the blocks' time summed over the
     ranks with each of the two ``fused`` modes (``MEGATRON_HCP_FUSED_OPS``: before and after
     fusing the LSE merges and the masks, in the same run) against one SDPA call, the verdict
@@ -302,13 +331,14 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
     a line)."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     before, after = fused
-    lines = [f"{name}, torch {torch.__version__}, {dtype}, causal, batch 1; forward + backward, "
+    yield (f"{name}, torch {torch.__version__}, {dtype}, causal, batch 1; forward + backward, "
              f"best of {repeats}; fused {before} | {after} (MEGATRON_HCP_FUSED_OPS); goal "
-             f"(fused {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16"]
+             f"(fused {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16")
     header = (f"{'problem':<22} {'S':>6} {'CP':>3} {'blocks/rank':>11} {'ms ' + before:>10} "
               f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8} "
               f"{'goal':>7}  kernels (forward calls); merges, masks ({after})")
-    lines += [header, "-" * len(header)]
+    yield header
+    yield "-" * len(header)
     skipped = []
     for label, (h, hkv, d, dv, *left) in problems.items():
         window = (left[0], 0) if left else None
@@ -322,23 +352,16 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                 problem = dict(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                window=window)
-                old = measure_block_cost(**problem, fused=before)
-                new = measure_block_cost(**problem, fused=after, sdpa_s=old.sdpa_s)
-                kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
-                                    for (k, why), n in sorted(new.kernels.items()))
+                old, new = _both_ways(problem, "fused", fused)
                 paths = "; ".join(
-                    f"{what} " + ", ".join(f"{path} {n}" for path, n in sorted(done.items()))
+                    f"{what} " + _paths(done)
                     for what, done in (("merges", new.merges), ("masks", new.masks)) if done)
                 verdict = "met" if new.ratio <= goal(cp) else "missed"
-                size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-                lines.append(f"{what:<22} {size:>6} {cp:>3} {new.blocks_per_rank:>11} "
-                             f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
-                             f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x "
-                             f"{verdict:>7}  {kernels}; {paths or 'none'}")
+                yield (f"{what:<22} {_size(s):>6} {cp:>3} {new.blocks_per_rank:>11} "
+                       f"{_times(old, new)} {verdict:>7}  {_kernels(new)}; {paths or 'none'}")
     if skipped:
-        lines.append(f"not measured: {', '.join(skipped)} (a window's one-call baseline takes an "
-                     f"S x S mask: S <= {MAX_WINDOW_BASELINE})")
-    return lines
+        yield (f"not measured: {', '.join(skipped)} (a window's one-call baseline takes an "
+               f"S x S mask: S <= {MAX_WINDOW_BASELINE})")
 
 
 # the --device cuda packed (thd) problems: sequence lengths as parts of S (16 heads of 128)
@@ -357,23 +380,23 @@ def packed_lengths(seq: int, parts: tuple[int, ...]) -> tuple[int, ...]:
 def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], heads: int,
                        dim: int, dtype: str, cps: list[int], repeats: int,
                        device: str = "cuda", splits: tuple[str, str] = ("off", "auto")
-                       ) -> list[str]:
-    """Lines of the --device cuda packed table: per packing, S and CP size, every rank's
-    blocks of packed (thd) sequences with each of the two ``splits``
-    (``MEGATRON_HCP_SPLIT_PACKED``: masked blocks, and per-sequence pieces where they cost
-    less) against one SDPA call per sequence (the work one varlen flash call computes, with
-    each call's launches); the
-    blocks' kernels and masks with the second. CP sizes that do not cut every sequence into
-    2*CP chunks are left out."""
+                       ) -> Iterator[str]:
+    """The lines of the --device cuda packed table, each yielded once measured: per packing,
+    S and CP size, every rank's blocks of packed (thd) sequences with each of the two
+    ``splits`` (``MEGATRON_HCP_SPLIT_PACKED``: masked blocks, and per-sequence pieces where
+    they cost less) against one SDPA call per sequence (the work one varlen flash call
+    computes, with each call's launches); the blocks' kernels and masks with the second. CP
+    sizes that do not cut every sequence into 2*CP chunks are left out."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     before, after = splits
-    lines = [f"{name}, torch {torch.__version__}, {dtype}, causal, {heads} heads of {dim}; "
+    yield (f"{name}, torch {torch.__version__}, {dtype}, causal, {heads} heads of {dim}; "
              f"forward + backward, best of {repeats}; split {before} | {after} "
-             "(MEGATRON_HCP_SPLIT_PACKED); baseline: one SDPA call per sequence"]
+             "(MEGATRON_HCP_SPLIT_PACKED); baseline: one SDPA call per sequence")
     header = (f"{'packing':<16} {'S':>6} {'CP':>3} {'calls/rank':>10} {'ms ' + before:>10} "
               f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8}  "
               f"kernels (forward calls); masks ({after})")
-    lines += [header, "-" * len(header)]
+    yield header
+    yield "-" * len(header)
     for label, parts in packings.items():
         for s in seqs:
             lengths = packed_lengths(s, parts)
@@ -381,17 +404,9 @@ def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], he
                 problem = dict(seq=s, heads=heads, kv_heads=heads, dim=dim, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                lengths=lengths)
-                old = measure_block_cost(**problem, split=before)
-                new = measure_block_cost(**problem, split=after, sdpa_s=old.sdpa_s)
-                kernels = ", ".join(f"{k}{' (' + why + ')' if why else ''}: {n}"
-                                    for (k, why), n in sorted(new.kernels.items()))
-                masks = ", ".join(f"{path} {n}" for path, n in sorted(new.masks.items()))
-                size = f"{s // 1024}K" if s % 1024 == 0 else str(s)
-                lines.append(f"{label:<16} {size:>6} {cp:>3} {new.blocks_per_rank:>10} "
-                             f"{old.blocks_s * 1e3:>10.2f} {new.blocks_s * 1e3:>10.2f} "
-                             f"{new.sdpa_s * 1e3:>9.2f} {old.ratio:>7.2f}x {new.ratio:>7.2f}x  "
-                             f"{kernels}; masks {masks or 'none'}")
-    return lines
+                old, new = _both_ways(problem, "split", splits)
+                yield (f"{label:<16} {_size(s):>6} {cp:>3} {new.blocks_per_rank:>10} "
+                       f"{_times(old, new)}  {_kernels(new)}; masks {_paths(new.masks) or 'none'}")
 
 
 def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
@@ -478,11 +493,12 @@ def main() -> None:
                          "(--problems window: a causal window of 4096 tokens)")
         problems = {p: PROBLEMS[p] or (h, hkv, d, d) for p in args.problems}
         seqs = args.seqs or [32768, 65536, 131072]
-        print("\n".join(gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
-                                         fused=tuple(args.fused))))
-        if args.packed_seqs:
-            print("\n".join(packed_block_table(args.packed_seqs, PACKINGS, h, d, args.dtype,
-                                                args.cp, args.repeats)))
+        for line in gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
+                                    fused=tuple(args.fused)):
+            print(line, flush=True)  # row by row: a run cut short keeps what it measured
+        for line in (packed_block_table(args.packed_seqs, PACKINGS, h, d, args.dtype, args.cp,
+                                        args.repeats) if args.packed_seqs else ()):
+            print(line, flush=True)
         return
     if args.layouts:
         with LocalWorld(max(LAYOUT_CPS), timeout_s=1200) as world:

@@ -42,6 +42,7 @@ import torch.fx.experimental._config
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .seq_layout import CPAttentionError
+from .switches import env_mode
 
 __all__ = ["FUSED_ENV", "FUSED_MODES", "MIN_FUSED_ELEMENTS", "fused_mode", "fuses", "fusing",
            "run_fused"]
@@ -52,14 +53,10 @@ FUSED_MODES = ("auto", "on", "off")
 
 def fused_mode() -> str:
     """``MEGATRON_HCP_FUSED_OPS`` (default ``auto``), checked against :data:`FUSED_MODES`."""
-    value = os.environ.get(FUSED_ENV, "auto")
-    mode = value.strip().lower()
-    if mode not in FUSED_MODES:
-        raise CPAttentionError(
-            f"{FUSED_ENV}={value!r}: use auto (the default: the attention's merges and masks "
-            "are fused where Triton runs), on (fused on every device; the CPU needs a C++ "
-            "compiler) or off (eager); unset it for auto")
-    return mode
+    return env_mode(FUSED_ENV, FUSED_MODES,
+                    "auto (the default: the attention's merges and masks are fused where "
+                    "Triton runs), on (fused on every device; the CPU needs a C++ compiler) or "
+                    "off (eager)")
 
 
 @contextlib.contextmanager

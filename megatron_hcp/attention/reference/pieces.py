@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import NamedTuple
 
 from .seq_layout import CPAttentionError, SeqLayout
+from .switches import env_mode
 
 __all__ = ["PIECE_COST_PAIRS", "SPLIT_ENV", "SPLIT_MODES", "Piece", "Run", "block_pieces",
            "seq_runs", "split_mode", "splitting", "worth_splitting"]
@@ -60,14 +60,10 @@ def split_mode() -> str:
     chosen = _CHOSEN.get()
     if chosen is not None:
         return chosen
-    value = os.environ.get(SPLIT_ENV, "auto")
-    mode = value.strip().lower()
-    if mode not in SPLIT_MODES:
-        raise CPAttentionError(
-            f"{SPLIT_ENV}={value!r}: use auto (the default: a packed block is computed per "
-            "sequence where that costs less than its masked block), on (always per sequence) "
-            "or off (always masked); unset it for auto")
-    return mode
+    return env_mode(SPLIT_ENV, SPLIT_MODES,
+                    "auto (the default: a packed block is computed per sequence where that "
+                    "costs less than its masked block), on (always per sequence) or off "
+                    "(always masked)")
 
 
 @contextlib.contextmanager

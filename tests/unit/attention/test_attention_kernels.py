@@ -381,7 +381,7 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
 
     problems = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8),
                 "window": (4, 4, 8, 8, 5)}
-    lines = gpu_block_table([64, 48], problems, "fp32", [2, 4, 16], 1, device="cpu")
+    lines = list(gpu_block_table([64, 48], problems, "fp32", [2, 4, 16], 1, device="cpu"))
     rows = lines[3:]
     assert len(rows) == 4 * 5 and lines[0].startswith("CPU, torch"), lines  # 48: no CP16
     assert [r.split()[0] for r in rows] == ["mha"] * 5 + ["gqa"] * 5 + ["mla"] * 5 + [
@@ -397,8 +397,8 @@ def test_gpu_figure_table_runs_every_problem_and_cp_size():
     assert rows[0].endswith("; merges eager 2") and rows[2].endswith("; merges eager 240")
     assert "; merges eager" in rows[-1] and "; masks eager" in rows[-1], rows[-1]
     assert (goal(8), goal(16)) == (1.10, 1.25)
-    too_long = gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)}, "fp32",
-                               [2], 1, device="cpu")
+    too_long = list(gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)},
+                                    "fp32", [2], 1, device="cpu"))
     assert len(too_long) == 4 and too_long[-1].startswith("not measured: window at S=131072")
 
 

@@ -267,8 +267,8 @@ def test_the_packed_table_times_masked_blocks_and_pieces():
     assert packed_lengths(64, (8, 4, 2, 2)) == (32, 16, 8, 8)
     with pytest.raises(ValueError, match="S=60 is not a multiple of 16"):
         packed_lengths(60, (8, 4, 2, 2))
-    lines = packed_block_table([64], {"long": (8, 4, 2, 2), "short": (1,) * 4}, 2, 8,
-                               "fp32", [2, 4, 8], 1, device="cpu", splits=("off", "on"))
+    lines = list(packed_block_table([64], {"long": (8, 4, 2, 2), "short": (1,) * 4}, 2, 8,
+                                    "fp32", [2, 4, 8], 1, device="cpu", splits=("off", "on")))
     rows = lines[3:]
     assert lines[0].startswith("CPU, torch") and "baseline: one SDPA call per sequence" in lines[0]
     # long: 32/16/8/8 tokens cut by CP 2 and 4 (CP 8: 8 tokens are not 16 chunks); short: 16
