@@ -16,8 +16,9 @@ splitting pays where sequences are long and few, and loses where they are many a
 :func:`splitting` overrides it in a thread):
 
 * ``auto`` (the default) - split where the pieces' pairs plus :data:`PIECE_COST_PAIRS` per
-  piece stay within the masked block's rows x cols: the same plan on every device (the CPU
-  runs the plan a GPU would);
+  piece stay within the masked block's rows x cols, and always where the block has
+  :data:`MAX_MASKED_PAIRS` pairs or more (its mask would take gigabytes): the same plan on
+  every device (the CPU runs the plan a GPU would);
 * ``on`` - split every packed block that splits into dense pieces;
 * ``off`` - never split.
 
@@ -36,8 +37,8 @@ from typing import NamedTuple
 from .seq_layout import CPAttentionError, SeqLayout
 from .switches import env_mode
 
-__all__ = ["PIECE_COST_PAIRS", "SPLIT_ENV", "SPLIT_MODES", "Piece", "Run", "block_pieces",
-           "seq_runs", "split_mode", "splitting", "worth_splitting"]
+__all__ = ["MAX_MASKED_PAIRS", "PIECE_COST_PAIRS", "SPLIT_ENV", "SPLIT_MODES", "Piece", "Run",
+           "block_pieces", "seq_runs", "split_mode", "splitting", "worth_splitting"]
 
 SPLIT_ENV = "MEGATRON_HCP_SPLIT_PACKED"
 SPLIT_MODES = ("auto", "on", "off")
@@ -46,6 +47,9 @@ SPLIT_MODES = ("auto", "on", "off")
 # that time at 16 heads of 128 in bf16 on an H100-class GPU: about a 1K x 1K block. Reasoned,
 # not measured on a GPU; the masked block's own mask work is not counted in its favour.
 PIECE_COST_PAIRS = 2**20
+# a masked block this large is split whatever its pieces cost: its additive mask alone would
+# be 512 MiB in bf16 (1 GiB in fp32) on CUDA, forward and again backward
+MAX_MASKED_PAIRS = 2**28
 
 
 # splitting()'s choice for the code it wraps: a context variable, so that rank threads of one
@@ -165,10 +169,13 @@ def block_pieces(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, whi
 
 
 def worth_splitting(pieces: tuple[Piece, ...], rows: int, cols: int) -> bool:
-    """Whether ``pieces`` cost less than their masked block of ``rows`` x ``cols``, under
+    """Whether ``pieces`` cost less than their masked block of ``rows`` x ``cols``, or the
+    masked block is too large to build (:data:`MAX_MASKED_PAIRS`), under
     ``MEGATRON_HCP_SPLIT_PACKED`` (module docstring)."""
     mode = split_mode()
     if mode != "auto":
         return mode == "on"
+    if rows * cols >= MAX_MASKED_PAIRS:
+        return True
     work = sum(p.rows * p.cols for p in pieces) + PIECE_COST_PAIRS * len(pieces)
     return work <= rows * cols

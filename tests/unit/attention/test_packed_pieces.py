@@ -15,6 +15,7 @@ import torch
 from megatron_hcp.attention.reference import BlockCounter, local_attention
 from megatron_hcp.attention.reference.blocks import plan_block
 from megatron_hcp.attention.reference.pieces import (
+    MAX_MASKED_PAIRS,
     PIECE_COST_PAIRS,
     SPLIT_ENV,
     seq_runs,
@@ -119,11 +120,12 @@ def test_windows_stay_masked():
 
 def test_auto_splits_long_sequences_and_keeps_many_short_ones_masked(monkeypatch):
     """``auto``: two sequences of 64K tokens at CP 4 cost far less in pieces than as one
-    masked block of 32K x 32K pairs; 512 sequences of 128 tokens cost more (a piece's
-    launches are worth PIECE_COST_PAIRS pairs); ``off`` never splits."""
+    masked block of 32K x 32K pairs; 256 sequences of 128 tokens cost more (a piece's
+    launches are worth PIECE_COST_PAIRS pairs); ``off`` never splits; a block whose mask
+    would take 512 MiB or more is split whatever its pieces cost."""
     monkeypatch.delenv(SPLIT_ENV, raising=False)
     long = SeqLayout((65536, 65536), (65536, 52000), 4, 1).with_grouped_halves()
-    short = SeqLayout((128,) * 512, (120,) * 512, 4, 1).with_grouped_halves()
+    short = SeqLayout((128,) * 256, (120,) * 256, 4, 1).with_grouped_halves()
     for src in range(4):
         assert plan_block(long, long.at(4, src), True).pieces is not None
         assert plan_block(short, short.at(4, src), True).pieces is None
@@ -136,6 +138,13 @@ def test_auto_splits_long_sequences_and_keeps_many_short_ones_masked(monkeypatch
     assert pairs + PIECE_COST_PAIRS * len(block.pieces) < rows * rows / 3
     with splitting("off"):
         assert plan_block(long, long, True).pieces is None
+    # 512 sequences of 64 tokens at CP 2: 1536 pieces a block would cost more than the
+    # masked block's 2^28 pairs, but its mask would be 512 MiB in bf16: split all the same
+    many = SeqLayout((64,) * 512, (64,) * 512, 2, 0).with_grouped_halves()
+    block = plan_block(many, many, True)
+    rows = block.rows.stop - block.rows.start
+    assert rows * rows == MAX_MASKED_PAIRS and len(block.pieces) == 1536
+    assert PIECE_COST_PAIRS * len(block.pieces) > rows * rows
 
 
 def test_the_switch_reads_auto_on_and_off(monkeypatch):
