@@ -5,9 +5,17 @@ Every layer of a micro-batch passes the same ``cu_seqlens`` tensors (megatron's
 waits for the GPU to drain its queue before it can enqueue the layer's next kernels. The
 lengths they describe, checked, are therefore kept per tensor object while it lives and is not
 modified in place (its version counter): the first layer reads and checks, the others find
-them. A new tensor, or one written in place, is read again; an entry is trusted only while
-weak references show its very tensors alive (an id alone may be reused by a later tensor).
-Bad packings raise at every call (nothing is kept for them).
+them. A new tensor, or one written in place by a torch op (``copy_``, indexing, ``fill_``:
+they bump its version counter), is read again; an entry is trusted only while weak references
+show its very tensors alive (an id alone may be reused by a later tensor). Bad packings raise
+at every call (nothing is kept for them).
+
+The rule for a ``cu_seqlens`` buffer kept across micro-batches: refill it with torch in-place
+ops, or pass a new tensor. Writes torch does not count - through ``.data``, a numpy array or
+DLPack alias of its memory, another tensor on the same storage, a collective such as
+``torch.distributed.broadcast`` into it, a custom kernel - leave the version as it was; after
+such a write call :func:`forget_packings` (megatron-core and Megatron-Bridge build new tensors
+for every micro-batch).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 from ...sharding import seq_lengths
 from .seq_layout import CPAttentionError, check_cu_seqlens
 
-__all__ = ["KEPT_PACKINGS", "packing_lengths"]
+__all__ = ["KEPT_PACKINGS", "forget_packings", "packing_lengths"]
 
 KEPT_PACKINGS = 8  # a micro-batch needs one; pipeline schedules hold a few in flight
 
@@ -82,3 +90,10 @@ def packing_lengths(cu_q: torch.Tensor, cu_kv: torch.Tensor, pad_q: torch.Tensor
             while len(_KEPT) > KEPT_PACKINGS:
                 _KEPT.popitem(last=False)
     return lengths
+
+
+def forget_packings() -> None:
+    """Forget every packing kept, so that the next call reads ``cu_seqlens`` again (after a
+    write torch does not count: module docstring)."""
+    with _LOCK:
+        _KEPT.clear()

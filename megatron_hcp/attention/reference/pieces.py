@@ -17,8 +17,9 @@ splitting pays where sequences are long and few, and loses where they are many a
 
 * ``auto`` (the default) - split where the pieces' pairs plus :data:`PIECE_COST_PAIRS` per
   piece stay within the masked block's rows x cols, and always where the block has
-  :data:`MAX_MASKED_PAIRS` pairs or more (its mask would take gigabytes): the same plan on
-  every device (the CPU runs the plan a GPU would);
+  :data:`MAX_MASKED_PAIRS` pairs or more (its additive mask alone would take 512 MiB or more
+  in bf16; a reasoned limit, not a measured one): the same plan on every device (the CPU runs
+  the plan a GPU would);
 * ``on`` - split every packed block that splits into dense pieces;
 * ``off`` - never split.
 
@@ -74,9 +75,10 @@ def split_mode() -> str:
 def splitting(mode: str) -> Iterator[None]:
     """Packed blocks planned as ``mode`` inside the block, in this thread (over the
     environment variable; the benchmarks measure both ways in one run)."""
-    if mode not in SPLIT_MODES:
+    chosen = mode.strip().lower()  # as the environment variable is read
+    if chosen not in SPLIT_MODES:
         raise CPAttentionError(f"split mode {mode!r}: use one of {', '.join(SPLIT_MODES)}")
-    token = _CHOSEN.set(mode)
+    token = _CHOSEN.set(chosen)
     try:
         yield
     finally:
@@ -170,7 +172,7 @@ def block_pieces(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, whi
 
 def worth_splitting(pieces: tuple[Piece, ...], rows: int, cols: int) -> bool:
     """Whether ``pieces`` cost less than their masked block of ``rows`` x ``cols``, or the
-    masked block is too large to build (:data:`MAX_MASKED_PAIRS`), under
+    masked block's mask would take 512 MiB or more in bf16 (:data:`MAX_MASKED_PAIRS`), under
     ``MEGATRON_HCP_SPLIT_PACKED`` (module docstring)."""
     mode = split_mode()
     if mode != "auto":

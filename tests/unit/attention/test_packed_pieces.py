@@ -66,9 +66,9 @@ def _packings(trials: int, seed: int = 0):
 
 
 def test_pieces_cover_exactly_the_pairs_of_the_masked_block():
-    """Every block of every position of 300 random packings: the dense pieces (each a full
-    rectangle or one chunk's causal square of real tokens) see each visible pair of the
-    masked block once and no other pair."""
+    """Every block of every position of about 270 random packings (300 drawn): the dense
+    pieces (each a full rectangle or one chunk's causal square of real tokens) see each
+    visible pair of the masked block once and no other pair."""
     checked = 0
     for mode, cp, padded, real, causal, group in _packings(300):
         for position in range(cp):
@@ -285,3 +285,11 @@ def test_the_packed_table_times_masked_blocks_and_pieces():
                                              ["short", "64", "2"], ["short", "64", "4"],
                                              ["short", "64", "8"]], rows
     assert all(r.endswith("masks none") and "cpu_flash" in r for r in rows), rows
+
+
+def test_splitting_reads_its_mode_as_the_variable_is_read():
+    with splitting(" On "):
+        assert split_mode() == "on"
+    with pytest.raises(CPAttentionError, match="split mode 'sometimes'"):
+        with splitting("sometimes"):
+            pass

@@ -72,3 +72,14 @@ def test_inference_tensors_are_read_every_time():
         cu = torch.tensor([0, 4], dtype=torch.int32)
     assert _reads(cu, cu, cu, cu, 1, "zigzag")[1] > 0
     assert _reads(cu, cu, cu, cu, 1, "zigzag")[1] > 0
+
+
+def test_forget_packings_reads_a_buffer_refilled_behind_torchs_back():
+    """A write torch does not count (through ``.data``) leaves the version as it was: the kept
+    packing would be stale, and forget_packings() makes the next call read the new one."""
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert packing_lengths(cu, cu, cu, cu, 1, "zigzag") == ((4, 4), (4, 4))
+    cu.data[2] = 12  # no version bump
+    assert packing_lengths(cu, cu, cu, cu, 1, "zigzag") == ((4, 4), (4, 4))  # kept, stale
+    packing.forget_packings()
+    assert packing_lengths(cu, cu, cu, cu, 1, "zigzag") == ((4, 8), (4, 8))
