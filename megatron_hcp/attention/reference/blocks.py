@@ -31,7 +31,7 @@ import torch
 
 from .fused import fuses, run_fused
 from .launches import fused_region
-from .pieces import Piece, block_pieces, split_mode, worth_splitting
+from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
 
 __all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
@@ -300,15 +300,15 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
 
 @lru_cache(maxsize=128)
 def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, which_cols: str,
-                  causal: bool) -> tuple[tuple[Block, ...], tuple[Piece, ...]] | None:
-    """:func:`~.pieces.block_pieces` as dense blocks of slices (and the pieces), once per
-    packing."""
+                  causal: bool) -> tuple[tuple[Block, ...], int] | None:
+    """:func:`~.pieces.block_pieces` as dense blocks of slices, and the pairs they compute,
+    once per packing."""
     pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
     if pieces is None:
         return None
     blocks = tuple(Block(slice(p.row, p.row + p.rows), slice(p.col, p.col + p.cols), p.causal,
                          None) for p in pieces)
-    return blocks, pieces
+    return blocks, sum(p.rows * p.cols for p in pieces)
 
 
 def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
@@ -324,12 +324,14 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         return Block(q_layout.half(which_rows), kv_layout.half(which_cols), diag, None)
     if window is None:
         rows, cols = q_layout.half(which_rows), kv_layout.half(which_cols)
-        if split_mode() != "off":  # per sequence, where it pays (MEGATRON_HCP_SPLIT_PACKED)
-            pieces = _piece_blocks(q_layout, kv_layout, which_rows, which_cols, causal)
-            n_rows, n_cols = _size(rows, q_layout.local_tokens), _size(cols,
-                                                                      kv_layout.local_tokens)
-            if pieces is not None and worth_splitting(pieces[1], n_rows, n_cols):
-                return Block(rows, cols, False, None, pieces[0])
+        split = split_mode()
+        if split != "off":  # per sequence, where it pays (MEGATRON_HCP_SPLIT_PACKED)
+            split_into = _piece_blocks(q_layout, kv_layout, which_rows, which_cols, causal)
+            if split_into is not None:
+                pieces, pairs = split_into
+                if worth_splitting(pairs, len(pieces), _size(rows, q_layout.local_tokens),
+                                   _size(cols, kv_layout.local_tokens), split):
+                    return Block(rows, cols, False, None, pieces)
         q_meta = _half_meta(q_layout, which_rows, "q")
         k_meta = _half_meta(kv_layout, which_cols, "k")
     else:

@@ -34,15 +34,14 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx.experimental._config
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .seq_layout import CPAttentionError
-from .switches import env_mode
+from .switches import Switch
 
 __all__ = ["FUSED_ENV", "FUSED_MODES", "MIN_FUSED_ELEMENTS", "fused_mode", "fuses", "fusing",
            "run_fused"]
@@ -51,24 +50,22 @@ FUSED_ENV = "MEGATRON_HCP_FUSED_OPS"
 FUSED_MODES = ("auto", "on", "off")
 
 
+FUSED = Switch(
+    "fused", FUSED_ENV, FUSED_MODES,
+    "auto (the default: the attention's merges and masks are fused where Triton runs), on "
+    "(fused on every device; the CPU needs a C++ compiler) or off (eager)")
+
+
 def fused_mode() -> str:
-    """``MEGATRON_HCP_FUSED_OPS`` (default ``auto``), checked against :data:`FUSED_MODES`."""
-    return env_mode(FUSED_ENV, FUSED_MODES,
-                    "auto (the default: the attention's merges and masks are fused where "
-                    "Triton runs), on (fused on every device; the CPU needs a C++ compiler) or "
-                    "off (eager)")
+    """``MEGATRON_HCP_FUSED_OPS`` as :func:`fusing` chose it here, else as set (default
+    ``auto``), checked against :data:`FUSED_MODES`."""
+    return FUSED.mode()
 
 
-@contextlib.contextmanager
-def fusing(mode: str) -> Iterator[None]:
-    """``MEGATRON_HCP_FUSED_OPS`` set to ``mode`` inside the block, as it was after it (the
-    benchmarks measure eager and fused work in one run)."""
-    if mode not in FUSED_MODES:
-        raise CPAttentionError(f"fused mode {mode!r}: use one of {', '.join(FUSED_MODES)}")
-    from ...local_world import environment  # the project's set-and-restore of os.environ
-
-    with environment({FUSED_ENV: mode}):
-        yield
+def fusing(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Merges and masks fused as ``mode`` inside the block, in this thread
+    (:class:`~.switches.Switch`)."""
+    return FUSED.chosen(mode)
 
 
 @functools.cache

@@ -30,13 +30,11 @@ dense piece), and so do layouts whose runs meet otherwise than above (none the p
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
 from functools import lru_cache
 from typing import NamedTuple
 
-from .seq_layout import CPAttentionError, SeqLayout
-from .switches import env_mode
+from .seq_layout import SeqLayout
+from .switches import Switch
 
 __all__ = ["MAX_MASKED_PAIRS", "PIECE_COST_PAIRS", "SPLIT_ENV", "SPLIT_MODES", "Piece", "Run",
            "block_pieces", "seq_runs", "split_mode", "splitting", "worth_splitting"]
@@ -53,36 +51,22 @@ PIECE_COST_PAIRS = 2**20
 MAX_MASKED_PAIRS = 2**28
 
 
-# splitting()'s choice for the code it wraps: a context variable, so that rank threads of one
-# process (tests/gpu, ThreadedWorld) each choose without racing on the process's environment
-_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "megatron_hcp_split_packed", default=None)
+SPLIT = Switch(
+    "split", SPLIT_ENV, SPLIT_MODES,
+    "auto (the default: a packed block is computed per sequence where that costs less than "
+    "its masked block), on (always per sequence) or off (always masked)")
 
 
 def split_mode() -> str:
-    """The mode :func:`splitting` chose here, else ``MEGATRON_HCP_SPLIT_PACKED`` (default
+    """``MEGATRON_HCP_SPLIT_PACKED`` as :func:`splitting` chose it here, else as set (default
     ``auto``), checked against :data:`SPLIT_MODES`."""
-    chosen = _CHOSEN.get()
-    if chosen is not None:
-        return chosen
-    return env_mode(SPLIT_ENV, SPLIT_MODES,
-                    "auto (the default: a packed block is computed per sequence where that "
-                    "costs less than its masked block), on (always per sequence) or off "
-                    "(always masked)")
+    return SPLIT.mode()
 
 
-@contextlib.contextmanager
-def splitting(mode: str) -> Iterator[None]:
-    """Packed blocks planned as ``mode`` inside the block, in this thread (over the
-    environment variable; the benchmarks measure both ways in one run)."""
-    chosen = mode.strip().lower()  # as the environment variable is read
-    if chosen not in SPLIT_MODES:
-        raise CPAttentionError(f"split mode {mode!r}: use one of {', '.join(SPLIT_MODES)}")
-    token = _CHOSEN.set(chosen)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
+def splitting(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Packed blocks planned as ``mode`` inside the block, in this thread
+    (:class:`~.switches.Switch`)."""
+    return SPLIT.chosen(mode)
 
 
 class Run(NamedTuple):
@@ -170,14 +154,13 @@ def block_pieces(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, whi
     return tuple(pieces)
 
 
-def worth_splitting(pieces: tuple[Piece, ...], rows: int, cols: int) -> bool:
-    """Whether ``pieces`` cost less than their masked block of ``rows`` x ``cols``, or the
-    masked block's mask would take 512 MiB or more in bf16 (:data:`MAX_MASKED_PAIRS`), under
-    ``MEGATRON_HCP_SPLIT_PACKED`` (module docstring)."""
-    mode = split_mode()
+def worth_splitting(pairs: int, count: int, rows: int, cols: int, mode: str) -> bool:
+    """Whether ``count`` pieces of ``pairs`` pairs in all cost less than their masked block of
+    ``rows`` x ``cols``, or the masked block's mask would take 512 MiB or more in bf16
+    (:data:`MAX_MASKED_PAIRS`), in ``mode`` (``MEGATRON_HCP_SPLIT_PACKED``'s: module
+    docstring)."""
     if mode != "auto":
         return mode == "on"
     if rows * cols >= MAX_MASKED_PAIRS:
         return True
-    work = sum(p.rows * p.cols for p in pieces) + PIECE_COST_PAIRS * len(pieces)
-    return work <= rows * cols
+    return pairs + PIECE_COST_PAIRS * count <= rows * cols
