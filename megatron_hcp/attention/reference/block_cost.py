@@ -34,12 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ...sharding import thd_partition_indices
 from .blocks import BlockCounter, Window, plan_block
 from .functions import _backward_block, _forward_block
 from .fused import fusing
 from .kernels import acc_dtype
 from .pieces import splitting
-from .seq_layout import SeqLayout
+from .seq_layout import SeqLayout, half_grouping
 
 __all__ = ["BlockCost", "band_mask", "local_tokens", "measure_block_cost", "rank_block_pass"]
 
@@ -112,15 +113,10 @@ def local_tokens(seq: int, cp: int, rank: int, lengths: tuple[int, ...] | None =
     holds them: chunks ``rank`` and ``2cp-1-rank`` of the sequence, or of every packed
     sequence of ``lengths`` - at CP > 1 with the halves grouped (every first half, then every
     second: :func:`~.seq_layout.half_grouping`), at CP 1 sequence by sequence."""
-    halves: list[list[torch.Tensor]] = [[], []]
-    offset = 0
-    for n in lengths if lengths is not None else (seq,):
-        c = n // (2 * cp)
-        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
-            halves[half if cp > 1 else 0].append(
-                torch.arange(offset + chunk * c, offset + (chunk + 1) * c))
-        offset += n
-    return torch.cat(halves[0] + halves[1]).to(device)
+    lengths = lengths if lengths is not None else (seq,)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    ids = thd_partition_indices(cu, cp, rank)  # sequence by sequence
+    return (ids[half_grouping(lengths, cp)] if cp > 1 else ids).to(device)
 
 
 def band_mask(seq: int, causal: bool, window: Window, device: torch.device) -> torch.Tensor:

@@ -207,12 +207,26 @@ def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
     assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
 
 
-def test_torch_is_asked_about_grouped_kv_as_such():
+def test_torch_is_asked_about_grouped_kv_as_such(monkeypatch):
     """kernel_for asks torch about flash with K/V as they are (GQA: ``enable_gqa``) and about
-    the efficient kernel with them expanded; on CPU tensors torch refuses both either way."""
+    the efficient kernel with them expanded to q's heads (a stand-in, nothing copied); on CPU
+    tensors torch refuses both either way."""
+    from megatron_hcp.attention.reference import kernels
+
     q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
     assert not _torch_accepts(CUDA_FLASH, q, kv, kv, True)
     assert not _torch_accepts(CUDA_EFFICIENT, q, kv.repeat_interleave(2, 1), kv, False)
+    asked = []
+
+    def accepts(kernel, q, k, v, causal, mask=None):
+        asked.append((kernel, k.shape[1], v.shape[1], k.data_ptr() == kv.data_ptr()))
+        return kernel == CUDA_EFFICIENT  # flash refused: the efficient kernel is asked next
+
+    monkeypatch.setattr(kernels, "_torch_accepts", accepts)
+    monkeypatch.setattr(kernels, "choose_kernel", lambda *a, **k: KernelChoice(CUDA_FLASH))
+    choice = kernels.kernel_for(q, kv, kv, causal=True, mask=None, bias=None)
+    assert choice.kernel == CUDA_EFFICIENT
+    assert asked == [(CUDA_FLASH, 2, 2, True), (CUDA_EFFICIENT, 4, 4, True)], asked
 
 
 def test_the_cpu_probe_asks_torchs_dispatcher_first(monkeypatch):
