@@ -29,7 +29,10 @@ one rank launches for one step (forward + backward) of every comm type and featu
 (:mod:`megatron_hcp.attention.reference.launch_proxy`, 4 gloo ranks, max over the ranks), with
 the forward's attention kernels apart and the ops launched most: once with the merges and masks
 eager (what the CPU runs), once counting each as the kernels ``MEGATRON_HCP_FUSED_OPS`` is
-expected to launch for it on a GPU (a mask 1, a merge 2, over gathered rows 4).
+expected to launch for it on a GPU (a mask 1, a merge 2, over gathered rows 4). Then, for the
+packed problems of the ``--device cuda`` table (S 32K and 64K, CP 2-16), the attention kernel
+calls a rank's forward plans per layer: masked blocks, pieces one call each, pieces as
+FlashAttention-2 varlen calls, and ``auto``'s plan without and with varlen calls.
 ``.venv/bin/python benchmarks/attention.py --launches``
 
 ``--device cuda`` (one GPU) measures instead the backend's compute per CP block
@@ -409,6 +412,54 @@ def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], he
                        f"{_times(old, new)}  {_kernels(new)}; masks {_paths(new.masks) or 'none'}")
 
 
+def packed_call_table(seqs: list[int], packings: dict[str, tuple[int, ...]],
+                      cps: list[int]) -> list[str]:
+    """Lines of the --launches packed table: the attention kernel calls one rank's forward
+    makes in one layer for packed (thd) sequences (max over the ranks; the backward makes as
+    many), as planned - no kernel runs, so the CPU shows what a GPU would launch: masked
+    blocks (one call a block), their pieces one call each (:mod:`.pieces`), the pieces as
+    FlashAttention-2 varlen calls (:mod:`.varlen`, CUDA), and what
+    ``MEGATRON_HCP_SPLIT_PACKED=auto`` plans without and with varlen calls."""
+    from megatron_hcp.attention.reference.blocks import plan_block
+    from megatron_hcp.attention.reference.pieces import splitting
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout
+
+    def calls(block, varlen: bool) -> int:
+        if block is None:
+            return 0
+        if block.pieces is None:
+            return 1
+        return len(block.calls) if varlen else len(block.pieces)
+
+    header = (f"{'packing':<16} {'S':>6} {'CP':>3} {'masked':>7} {'pieces':>7} {'varlen':>7} "
+              f"{'auto':>6} {'auto+varlen':>12}")
+    lines = ["attention kernel calls per rank per layer, forward (the backward makes as many), "
+             "planned for packed sequences (thd, causal, zigzag)", header, "-" * len(header)]
+    for label, parts in packings.items():
+        for s in seqs:
+            lengths = packed_lengths(s, parts)
+            for cp in (c for c in cps if all(n % (2 * c) == 0 for n in lengths)):
+                counts = [0] * 5
+                for rank in range(cp):
+                    layout = SeqLayout(lengths, lengths, cp, rank).with_grouped_halves()
+                    mine = [0] * 5
+                    for src in range(cp):
+                        kv = layout.at(cp, src)
+                        with splitting("off"):
+                            mine[0] += calls(plan_block(layout, kv, True), False)
+                        with splitting("on"):
+                            block = plan_block(layout, kv, True)
+                            mine[1] += calls(block, False)
+                            mine[2] += calls(block, True)
+                        with splitting("auto"):
+                            mine[3] += calls(plan_block(layout, kv, True), False)
+                            mine[4] += calls(plan_block(layout, kv, True, varlen=True), True)
+                    counts = [max(a, b) for a, b in zip(counts, mine)]
+                lines.append(f"{label:<16} {_size(s):>6} {cp:>3} {counts[0]:>7} {counts[1]:>7} "
+                             f"{counts[2]:>7} {counts[3]:>6} {counts[4]:>12}")
+    return lines
+
+
 def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
     """Lines of the --launches table (module docstring) from every rank's
     ``launch_proxy.rank_launches(fused=fused)``."""
@@ -479,6 +530,7 @@ def main() -> None:
         with LocalWorld(WORLD, timeout_s=600) as world:
             for fused in (False, True):
                 print("\n".join(launch_table(world.run(rank_launches, fused=fused), fused)))
+        print("\n".join(packed_call_table([32768, 65536], PACKINGS, [2, 4, 8, 16])))
         return
     gpu = args.device == "cuda"
     s = args.seq or (32768 if gpu else 4096)

@@ -270,10 +270,11 @@ def test_grouped_kv_reach_the_cuda_flash_kernel_unexpanded(report):
     assert errors[0] <= 1e-2 and errors[1] <= 1e-3 and max(errors[2:]) <= 5e-2, errors
 
 
-def _in_pieces(cases, split, device):
+def _in_pieces(cases, split, device, varlen="off"):
     from megatron_hcp.attention.reference.pieces import splitting
+    from megatron_hcp.attention.reference.varlen import varlening
 
-    with BlockCounter() as counter, splitting(split):  # in this rank thread
+    with BlockCounter() as counter, splitting(split), varlening(varlen):  # in this rank thread
         errors = run_cases(cases, device)
     return errors, dict(counter.kernels), sum(counter.masks.values())
 
@@ -303,3 +304,44 @@ def test_packed_blocks_in_pieces_on_cuda(gpu_threads, report, comm):
               f"(masked blocks: {worst(masked):.1e})")
     assert kernels == {CUDA_FLASH}, kernels
     assert worst(split) <= 2 * worst(masked) + 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_varlen_kernel_matches_the_reference(report, dtype):
+    """FA2's varlen kernel on this GPU gives the reference's output, LSE and gradients on a
+    small GQA packing with every kind of segment (causal squares, full rectangles, rows
+    without keys, keys without rows): the check MEGATRON_HCP_VARLEN=auto makes once per
+    process must pass here, or packed blocks never take the varlen calls."""
+    from megatron_hcp.attention.reference.varlen import kernel_matches_reference
+
+    kernel_matches_reference.cache_clear()
+    assert kernel_matches_reference(torch.device("cuda", torch.cuda.current_device()), dtype)
+    report(1, f"{dtype}: varlen kernel = reference")
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_blocks_as_varlen_calls_on_cuda(gpu_threads, report, comm):
+    """Packed (thd) sequences in pieces run as FA2 varlen calls (MEGATRON_HCP_VARLEN=on): in
+    bf16 and fp16 every block takes the varlen kernel, as accurate
+    against the fp64 oracle as the pieces one call each (within twice their error + 1e-2);
+    fp32 / fp64 cases (no FA2) run their pieces and pass at the usual tolerances."""
+    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+    from tests.unit.attention.test_cp_attention import HEADS, matrix_cases
+
+    cases = matrix_cases(comm, "thd")
+    per_rank = gpu_threads.run(_in_pieces, cases, "on", "cuda", "on")
+    assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
+    half = [(comm, "thd", causal, HEADS[h], 4, dtype, 3) for causal in (True, False)
+            for h in ("gqa", "mha") for dtype in (torch.bfloat16, torch.float16)]
+    calls = gpu_threads.run(_in_pieces, half, "on", "cuda", "on")
+    pieces = gpu_threads.run(_in_pieces, half, "on", "cuda", "off")
+
+    def worst(results):
+        return max(max(errors[i].values()) for errors, _, _ in results
+                   for i in range(len(half)))
+
+    kernels = {k for _, kernels, _ in calls for (k, _why) in kernels}
+    report(1, f"half precision as varlen calls: kernels {sorted(kernels)}, max error "
+              f"{worst(calls):.1e} (pieces one call each: {worst(pieces):.1e})")
+    assert kernels == {VARLEN_KERNEL}, kernels
+    assert worst(calls) <= 2 * worst(pieces) + 1e-2

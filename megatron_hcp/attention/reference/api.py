@@ -41,6 +41,7 @@ from .seq_layout import (
     a2a_gather_permutation,
     half_grouping,
 )
+from .varlen import varlen_mode
 
 __all__ = ["check_window", "context_parallel_attention", "local_attention"]
 
@@ -291,8 +292,9 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
-    fused_mode()  # MEGATRON_HCP_FUSED_OPS and _SPLIT_PACKED checked before any communication
-    split_mode()
+    fused_mode()  # MEGATRON_HCP_FUSED_OPS, _SPLIT_PACKED and _VARLEN checked before any
+    split_mode()  # communication
+    varlen_mode()
     expected_dims = 3 if qkv_format == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != expected_dims:

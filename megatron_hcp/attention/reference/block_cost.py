@@ -36,11 +36,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...sharding import thd_partition_indices
 from .blocks import BlockCounter, Window, plan_block
-from .functions import _backward_block, _forward_block
+from .functions import _backward_block, _forward_block, _varlen
 from .fused import fusing
 from .kernels import acc_dtype
 from .pieces import splitting
 from .seq_layout import SeqLayout, half_grouping
+from .varlen import varlening
 
 __all__ = ["BlockCost", "band_mask", "local_tokens", "measure_block_cost", "rank_block_pass"]
 
@@ -94,16 +95,19 @@ def rank_block_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     out = torch.zeros(b, n, h, v.shape[-1], dtype=acc, device=q.device).permute(0, 2, 1, 3)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     order = [(rank - step) % cp for step in range(cp)]  # ring order
-    blocks = [(src, plan_block(layout, layout.at(cp, src), causal, window)) for src in order]
+    varlen = _varlen(q_r, *kv[rank], layout, window)  # pieces as varlen calls (CUDA)
+    blocks = [(src, plan_block(layout, layout.at(cp, src), causal, window, varlen=varlen))
+              for src in order]
     blocks = [(src, block) for src, block in blocks if block is not None]
     for step, (src, block) in enumerate(blocks):
-        _forward_block(q_r, *kv[src], block, scale, out, lse, first=step == 0)
+        _forward_block(q_r, *kv[src], block, scale, out, lse, first=step == 0, varlen=varlen)
     final = out.to(q.dtype)
     dq = torch.zeros(q_r.shape, dtype=acc, device=q.device)
     dk = [torch.zeros(kj.shape, dtype=acc, device=q.device) for kj, _ in kv]
     dv = [torch.zeros(vj.shape, dtype=acc, device=q.device) for _, vj in kv]
     for src, block in blocks:
-        _backward_block(dout_r, q_r, *kv[src], final, lse, block, scale, dq, dk[src], dv[src])
+        _backward_block(dout_r, q_r, *kv[src], final, lse, block, scale, dq, dk[src], dv[src],
+                        varlen=varlen)
     return (out, dq, *dk, *dv)
 
 
@@ -154,8 +158,8 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                        causal: bool = True, repeats: int = 3, seed: int = 0,
                        dim_v: int | None = None, window: Window = None,
                        fused: str = "auto", sdpa_s: float | None = None,
-                       lengths: tuple[int, ...] | None = None, split: str = "auto"
-                       ) -> BlockCost:
+                       lengths: tuple[int, ...] | None = None, split: str = "auto",
+                       varlen: str = "auto") -> BlockCost:
     """Time every rank's blocks (summed) and one SDPA call on the same causal problem
     (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
     ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
@@ -163,7 +167,8 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
     the mode of the replay's merges and masks (module docstring); ``sdpa_s``: the SDPA time of
     this problem measured already (the other mode's row), not measured again. ``lengths``:
     ``seq`` tokens packed as sequences of these lengths (each a multiple of ``2*cp``; no
-    window), replayed with ``split`` as ``MEGATRON_HCP_SPLIT_PACKED`` (:mod:`.pieces`), against
+    window), replayed with ``split`` as ``MEGATRON_HCP_SPLIT_PACKED`` (:mod:`.pieces`) and
+    ``varlen`` as ``MEGATRON_HCP_VARLEN`` (:mod:`.varlen`), against
     one SDPA call per sequence, summed (the work one varlen flash call computes, with each
     call's launches)."""
     device = torch.device(device)
@@ -210,7 +215,7 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                     enable_gqa=kv_heads != heads)
             out.backward(dout[:, :, part])
 
-    with torch.no_grad(), fusing(fused), splitting(split):
+    with torch.no_grad(), fusing(fused), splitting(split), varlening(varlen):
         blocks_s = _best(replay, repeats, device)
         with BlockCounter() as counter:
             replay()

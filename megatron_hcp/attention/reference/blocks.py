@@ -33,6 +33,7 @@ from .fused import fuses, run_fused
 from .launches import fused_region
 from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
+from .varlen import VarlenCall, varlen_calls
 
 __all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
            "record_block", "record_kernel", "record_mask", "record_merge", "take"]
@@ -49,13 +50,15 @@ class Block:
     """Query ``rows`` against key/value ``cols`` (slices or token indices), ``causal`` (the
     square diagonal) or masked by ``mask`` (a :class:`BlockMask`); or, where ``pieces`` is
     not ``None``, computed as those dense blocks (:mod:`.pieces`: a packed block per
-    sequence) instead."""
+    sequence) instead, or as the varlen ``calls`` that compute them (:mod:`.varlen`) where
+    the kernel takes them."""
 
     rows: Selector
     cols: Selector
     causal: bool
     mask: BlockMask | None
     pieces: tuple[Block, ...] | None = None
+    calls: tuple[VarlenCall, ...] | None = None
 
 
 @dataclass
@@ -300,22 +303,24 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
 
 @lru_cache(maxsize=128)
 def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, which_cols: str,
-                  causal: bool) -> tuple[tuple[Block, ...], int] | None:
-    """:func:`~.pieces.block_pieces` as dense blocks of slices, and the pairs they compute,
-    once per packing."""
+                  causal: bool
+                  ) -> tuple[tuple[Block, ...], tuple[VarlenCall, ...], int] | None:
+    """:func:`~.pieces.block_pieces` as dense blocks of slices, as varlen calls
+    (:func:`~.varlen.varlen_calls`), and the pairs they compute, once per packing."""
     pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
     if pieces is None:
         return None
     blocks = tuple(Block(slice(p.row, p.row + p.rows), slice(p.col, p.col + p.cols), p.causal,
                          None) for p in pieces)
-    return blocks, sum(p.rows * p.cols for p in pieces)
+    return blocks, varlen_calls(pieces), sum(p.rows * p.cols for p in pieces)
 
 
 def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
-               window: Window = None) -> Block | None:
+               window: Window = None, *, varlen: bool = False) -> Block | None:
     """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
     ``None`` when ``window`` leaves no visible pair in it. Index tensors and the mask are on
-    the layouts' device."""
+    the layouts' device. ``varlen``: a packed block in pieces will run as its varlen calls
+    (:mod:`.varlen`), so splitting costs their launches, not one per piece."""
     halves = _halves(q_layout, kv_layout, causal)
     if halves is None:
         return None
@@ -328,10 +333,11 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         if split != "off":  # per sequence, where it pays (MEGATRON_HCP_SPLIT_PACKED)
             split_into = _piece_blocks(q_layout, kv_layout, which_rows, which_cols, causal)
             if split_into is not None:
-                pieces, pairs = split_into
-                if worth_splitting(pairs, len(pieces), _size(rows, q_layout.local_tokens),
+                pieces, calls, pairs = split_into
+                launches = len(calls) if varlen else len(pieces)
+                if worth_splitting(pairs, launches, _size(rows, q_layout.local_tokens),
                                    _size(cols, kv_layout.local_tokens), split):
-                    return Block(rows, cols, False, None, pieces)
+                    return Block(rows, cols, False, None, pieces, calls)
         q_meta = _half_meta(q_layout, which_rows, "q")
         k_meta = _half_meta(kv_layout, which_cols, "k")
     else:

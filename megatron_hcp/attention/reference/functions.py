@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from ...sharding import contiguous_window_reach
 from . import comm
-from .blocks import Block, Window, plan_block, record_block, take
+from .blocks import Block, Window, plan_block, record_block, record_kernel, take
 from .kernels import acc_dtype, block_backward, block_forward
 from .merge import merge_into
 from .pieces import split_mode, splitting
 from .seq_layout import SeqLayout
+from .varlen import VARLEN_KERNEL, varlen_backward, varlen_forward, varlen_takes
 
 __all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]
 
@@ -75,8 +76,21 @@ def _add_bias_grad(dbias, grad, where) -> None:
         dbias.index_add_(2, rows.to(grad.device), by_col.to(dbias.dtype))
 
 
-def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False):
-    """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet)."""
+def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, varlen=False):
+    """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet;
+    ``varlen``: a block in pieces runs as its varlen calls, :func:`_varlen`)."""
+    if block.pieces is not None and varlen:  # a few calls of many sequences each, each
+        # copied in where it is the first to reach its rows (calls' rows may overlap)
+        spans: list[slice] = []
+        for call in block.calls:
+            ob, lb = varlen_forward(q, k, v, call, scale)
+            rows = call.row_span
+            record_kernel(VARLEN_KERNEL)
+            apart = all(rows.stop <= s.start or s.stop <= rows.start for s in spans)
+            merge_into(out, lse, rows, ob, lb, first=first and apart,
+                       empty_rows=call.empty_rows)
+            spans.append(rows)
+        return
     if block.pieces is not None:  # a packed block per sequence: its dense pieces, each
         # copied in where it is the first to reach its rows (pieces' rows are equal or apart)
         reached: set[tuple[int, int]] = set()
@@ -94,7 +108,15 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False):
                empty_rows=block.mask is not None or bias is not None)
 
 
-def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None):
+def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None, *,
+                    varlen=False):
+    if block.pieces is not None and varlen:  # its varlen calls (no bias with packed data)
+        for call in block.calls:
+            gq, gk, gv = varlen_backward(dout, q, k, v, out, lse, call, scale)
+            dq[:, :, call.row_span].add_(gq)
+            dk[:, :, call.col_span].add_(gk)
+            dv[:, :, call.col_span].add_(gv)
+        return None
     if block.pieces is not None:  # no bias with packed sequences: no bias gradient
         for piece in block.pieces:
             _backward_block(dout, q, k, v, out, lse, piece, scale, dq, dk, dv)
@@ -149,6 +171,14 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
     delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     prob = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
     return -(prob * delta).sum((0, 2)).to(sink.dtype)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
+            window: Window) -> bool:
+    """Whether this call's packed blocks in pieces run as varlen calls
+    (:func:`~.varlen.varlen_takes`; dense layouts and windows have no pieces). Planned once per
+    forward and saved for its backward."""
+    return not layout.is_dense and window is None and varlen_takes(q, k, v)
 
 
 def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
@@ -206,27 +236,28 @@ class RingAttention(torch.autograd.Function):
         # the kernels take q as it is (head dim contiguous); K and V travel packed, and the
         # backward sends the same message again
         packed = _pack(k, v)
+        varlen = _varlen(q, k, v, layout, window)
         # the first step is the local block: with all rows, the accumulators need no fill
-        local = plan_block(layout, layout, causal, window)
+        local = plan_block(layout, layout, causal, window, varlen=varlen)
         out, lse = _new_acc(q, v, local)
         steps = ring_reach(layout, causal, window) + 1
         first = True
         for src, kv in _ring_steps(packed, group, ranks, layout.position, steps):
             kv_layout = layout.at(layout.cp, src)
-            block = local if src == layout.position else plan_block(layout, kv_layout, causal,
-                                                                    window)
+            block = local if src == layout.position else plan_block(
+                layout, kv_layout, causal, window, varlen=varlen)
             record_block(block, layout)
             if block is not None:  # outside the window: pass the K/V on, compute nothing
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 where = _bias_positions(bias, layout, kv_layout, block)
                 _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where),
-                               first=first)
+                               first=first, varlen=varlen)
                 first = False
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, packed, out, lse, sink, bias)
         ctx.meta = (layout, group, ranks, causal, scale, window, k.shape, v.shape)
-        ctx.split = split_mode()
+        ctx.split, ctx.varlen = split_mode(), varlen
         return out
 
     @staticmethod
@@ -243,13 +274,13 @@ class RingAttention(torch.autograd.Function):
         steps = ring_reach(layout, causal, window) + 1
         for step, (src, kv) in enumerate(_ring_steps(packed, group, ranks, pos, steps)):
             kv_layout = layout.at(layout.cp, src)
-            block = plan_block(layout, kv_layout, causal, window)
+            block = plan_block(layout, kv_layout, causal, window, varlen=ctx.varlen)
             if block is not None:
                 kj, vj = _unpack(kv, k.shape, v.shape)
                 dk, dv = _unpack(dkv, k.shape, v.shape)
                 where = _bias_positions(bias, layout, kv_layout, block)
                 gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
-                                     _bias_block(bias, where))
+                                     _bias_block(bias, where), varlen=ctx.varlen)
                 if gb is not None:
                     _add_bias_grad(dbias, gb, where)
             if p > 1 and steps > 1:  # dK/dV of `src` travel on with its K/V; after the
@@ -268,8 +299,8 @@ class RingAttention(torch.autograd.Function):
                 None, dsink, dbias)
 
 
-def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool
-                   ) -> list[tuple[list[int], Block]]:
+def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool,
+                   varlen: bool = False) -> list[tuple[list[int], Block]]:
     """Sources of an all-gather grouped by identical block shape.
 
     With one dense sequence every past source meets all queries on its first half and every
@@ -278,7 +309,8 @@ def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool
     sources a window sees nothing of are left out.
     """
     n = layout.cp
-    plans = [(src, plan_block(layout, layout.at(n, src), causal, window)) for src in range(n)]
+    plans = [(src, plan_block(layout, layout.at(n, src), causal, window, varlen=varlen))
+             for src in range(n)]
     for _src, plan in plans if record else ():  # forward only: BlockCounter counts forwards
         record_block(plan, layout)
     plans = [(src, plan) for src, plan in plans if plan is not None]
@@ -313,16 +345,18 @@ class AllGatherAttention(torch.autograd.Function):
         return full.view(n, -1), work
 
     @staticmethod
-    def _ordered(layout: SeqLayout, causal: bool, window: Window, record: bool = False):
+    def _ordered(layout: SeqLayout, causal: bool, window: Window, record: bool = False,
+                 varlen: bool = False):
         """Source groups, this rank's own first (it needs no gathered data)."""
-        groups = _source_groups(layout, causal, window, record)
+        groups = _source_groups(layout, causal, window, record, varlen)
         return sorted(groups, key=lambda g: g[0] != [layout.position])
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float,
                 window: Window = None, sink: torch.Tensor | None = None):
         full, work = AllGatherAttention._gather(k, v, group, layout.cp)
-        groups = AllGatherAttention._ordered(layout, causal, window, record=True)
+        varlen = _varlen(q, k, v, layout, window)
+        groups = AllGatherAttention._ordered(layout, causal, window, record=True, varlen=varlen)
         local = groups[0][1] if groups and groups[0][0] == [layout.position] else None
         out, lse = _new_acc(q, v, local)
         for index, (srcs, plan) in enumerate(groups):
@@ -333,14 +367,14 @@ class AllGatherAttention(torch.autograd.Function):
                     work.wait()
                     work = None
                 kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
-            _forward_block(q, kj, vj, block, scale, out, lse, first=index == 0)
+            _forward_block(q, kj, vj, block, scale, out, lse, first=index == 0, varlen=varlen)
         if work is not None:
             work.wait()
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (layout, group, causal, scale, window)
-        ctx.split = split_mode()
+        ctx.split, ctx.varlen = split_mode(), varlen
         return out
 
     @staticmethod
@@ -353,7 +387,8 @@ class AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
-        for srcs, plan in AllGatherAttention._ordered(layout, causal, window):
+        for srcs, plan in AllGatherAttention._ordered(layout, causal, window,
+                                                      varlen=ctx.varlen):
             if srcs == [layout.position]:
                 kj, vj, block = k, v, plan
             else:
@@ -363,7 +398,8 @@ class AllGatherAttention(torch.autograd.Function):
                 kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
             if len(srcs) == 1:
                 dk, dv = _unpack(dkv_all[srcs[0]], k.shape, v.shape)
-                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv)
+                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+                                varlen=ctx.varlen)
                 continue
             dk_cat = torch.zeros(kj.shape, dtype=acc, device=q.device)
             dv_cat = torch.zeros(vj.shape, dtype=acc, device=q.device)

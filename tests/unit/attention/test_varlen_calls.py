@@ -1,0 +1,265 @@
+"""A packed block's pieces as FlashAttention-2 varlen calls (attention.reference.varlen).
+
+No CPU kernel takes segments, and this machine has no GPU: FA2's kernel itself runs only in
+``tests/gpu`` and in the once-per-process check of ``auto``. Here: the calls' segments
+compute exactly the pieces' pairs (random packings), the reference the kernel is checked
+against equals plain SDPA per segment, the check accepts the reference and refuses a kernel
+that differs, and CP attention run through the calls - with the reference in the kernel's
+place - matches the single-process oracle on every comm type and layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_hcp.attention.reference import BlockCounter, local_attention
+from megatron_hcp.attention.reference import varlen as varlen_module
+from megatron_hcp.attention.reference.blocks import plan_block
+from megatron_hcp.attention.reference.pieces import splitting
+from megatron_hcp.attention.reference.seq_layout import CPAttentionError, SeqLayout
+from megatron_hcp.attention.reference.varlen import (
+    VARLEN_ENV,
+    VARLEN_KERNEL,
+    VarlenCall,
+    kernel_matches_reference,
+    reference_backward,
+    reference_forward,
+    varlen_calls,
+    varlen_mode,
+    varlen_takes,
+    varlening,
+)
+from megatron_hcp.threaded_world import ThreadedWorld
+from tests.unit.attention.test_cp_attention import (
+    COMMS,
+    MODES,
+    WORLD,
+    failures_of,
+    matrix_cases,
+    mla_cases,
+    offset_cases,
+    run_cases,
+    runnable_in,
+)
+from tests.unit.attention.test_packed_pieces import _packings, _pairs
+
+
+def _call_pairs(call: VarlenCall, n: int) -> torch.Tensor:
+    """The (row, col) pairs over ``n`` local tokens the segments of ``call`` compute."""
+    seen = torch.zeros(n, n, dtype=torch.int)
+    row, col = call.row, call.col
+    for q, k in zip(call.q_lens, call.k_lens):
+        if q and k:
+            part = torch.ones(q, k, dtype=torch.int)
+            seen[row:row + q, col:col + k] += part.tril(k - q) if call.causal else part
+        row, col = row + q, col + k
+    assert (row, col) == (call.row + call.rows, call.col + call.cols)  # segments tile spans
+    return seen
+
+
+def test_calls_compute_exactly_the_pairs_of_the_pieces():
+    """Every block in pieces of about 270 random packings (both layouts, grouped halves or
+    not, CP 1/2/4, padding, empty sequences): its varlen calls compute each pair of its pieces
+    once and no other; causal segments are squares; at most two calls a causal block, three a
+    full one."""
+    checked = 0
+    for mode, cp, padded, real, causal, group in _packings(300):
+        for position in range(cp):
+            layout = SeqLayout(padded, real, cp, position, mode)
+            if layout.is_dense:
+                continue
+            layout = layout.with_grouped_halves() if group and layout.groupable else layout
+            for src in range(cp):
+                with splitting("on"):
+                    block = plan_block(layout, layout.at(cp, src), causal)
+                if block is None or not block.pieces:
+                    continue
+                n = layout.local_tokens
+                seen = sum(_call_pairs(call, n) for call in block.calls)
+                assert torch.equal(seen, _pairs(block, n)), (mode, cp, padded, real, causal)
+                # causal: a sequence's pairs of runs are one chain (diagonal squares) and one
+                # (keys before queries); full: its four pairs of halves three chains
+                assert len(block.calls) <= (2 if causal else 3), (mode, cp, padded, real,
+                                                                  causal, block.calls)
+                for call in block.calls:
+                    assert all(q == k for q, k in zip(call.q_lens, call.k_lens)
+                               if q and k and call.causal)
+                checked += 1
+    assert checked > 500
+
+
+def test_gaps_become_segments_without_keys_or_rows():
+    """Padding between two pieces: a segment of its rows without keys and one of its keys
+    without rows; the call reports rows that see no key."""
+    from megatron_hcp.attention.reference.pieces import Piece
+
+    (call,) = varlen_calls((Piece(0, 3, 0, 3, True), Piece(5, 2, 5, 2, True)))
+    assert call == VarlenCall(0, 7, 0, 7, (3, 2, 0, 2), (3, 0, 2, 2), True)
+    assert call.empty_rows
+    (dense,) = varlen_calls((Piece(0, 3, 0, 3, True), Piece(3, 2, 3, 2, True)))
+    assert dense.q_lens == (3, 2) and not dense.empty_rows
+
+
+def _segments_of(cu_q, cu_k):
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return list(zip(zip(q, q[1:]), zip(k, k[1:])))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_reference_is_sdpa_per_segment(causal):
+    """The reference FA2 is checked against: per segment, the output and LSE of plain SDPA
+    (causal bottom-right, as FA2 aligns it), and the gradients of SDPA's autograd given the
+    final output and LSE; a segment without keys: output 0, LSE +inf, no gradient (fp64,
+    GQA)."""
+    gen = torch.Generator().manual_seed(1)
+    qk = ((5, 5), (0, 3), (4, 0), (6, 6), (2, 7)) if not causal else (
+        (5, 5), (0, 3), (4, 0), (6, 6), (7, 7))
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in qk]).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in qk]).cumsum(0).tolist()])
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q, dout = (torch.randn(tq, 4, 8, generator=gen, dtype=torch.float64) for _ in "qo")
+    k, v = (torch.randn(tk, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    out, lse = reference_forward(q, k, v, cu_q, cu_k, 7, 7, causal, 0.3)
+    dq, dk, dv = reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, 7, 7, causal, 0.3)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    for (q0, q1), (k0, k1) in _segments_of(cu_q, cu_k):
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            assert torch.all(out[q0:q1] == 0) and torch.all(lse[:, q0:q1] == float("inf"))
+            assert torch.all(dq[q0:q1] == 0)
+            continue
+        sq, sk, sv = (x[a:b].transpose(0, 1).unsqueeze(0) for x, (a, b) in
+                      zip(ins, ((q0, q1), (k0, k1), (k0, k1))))
+        mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0))
+        want = F.scaled_dot_product_attention(sq, sk, sv, attn_mask=mask if causal else None,
+                                              scale=0.3, enable_gqa=True)
+        want.backward(dout[q0:q1].transpose(0, 1).unsqueeze(0))
+        torch.testing.assert_close(out[q0:q1], want[0].transpose(0, 1).detach(), rtol=0,
+                                   atol=1e-12)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1].repeat_interleave(2, 1)) * 0.3
+        scores = scores.masked_fill(~mask, float("-inf")) if causal else scores
+        torch.testing.assert_close(lse[:, q0:q1], torch.logsumexp(scores, -1), rtol=0,
+                                   atol=1e-12)
+    for got, x in zip((dq, dk, dv), ins):
+        torch.testing.assert_close(got, x.grad, rtol=0, atol=1e-12)
+    # keys without rows (the (0, 3) segment) get no gradient
+    assert torch.all(dk[5:8] == 0) and torch.all(dv[5:8] == 0)
+
+
+def _broken_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """A kernel with the wrong causal alignment: what the check must catch."""
+    return reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, not causal, scale)
+
+
+def test_the_check_accepts_the_reference_and_refuses_another_kernel(monkeypatch):
+    """``auto``'s once-per-process check, run with the reference in the kernel's place on
+    the CPU: it passes; a kernel with a wrong mask fails it with one warning naming the
+    switch, and ``auto`` then keeps the pieces one call each; ``on`` skips the check."""
+    monkeypatch.delenv(VARLEN_ENV, raising=False)
+    monkeypatch.setattr(varlen_module, "_fa2_takes", lambda q, k, v: True)
+    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
+    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    kernel_matches_reference.cache_clear()
+    try:
+        assert kernel_matches_reference(torch.device("cpu"), torch.bfloat16)
+        assert varlen_takes(q, q, q)
+        kernel_matches_reference.cache_clear()
+        monkeypatch.setattr(varlen_module, "_flash_forward", _broken_forward)
+        with pytest.warns(RuntimeWarning, match=r"varlen kernel did not match .*"
+                                                r"MEGATRON_HCP_VARLEN=off"):
+            assert not varlen_takes(q, q, q)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # cached: no second warning
+            assert not varlen_takes(q, q, q)
+        with varlening("on"):
+            assert varlen_takes(q, q, q)
+        with varlening("off"):
+            assert not varlen_takes(q, q, q)
+    finally:
+        kernel_matches_reference.cache_clear()
+
+
+def test_no_varlen_on_the_cpu_and_the_switch_is_checked(monkeypatch):
+    """On the CPU the pieces run one call each whatever the switch says; a bad value is
+    refused naming the variable - by the attention before it runs."""
+    q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
+    with varlening("on"):
+        assert not varlen_takes(q, q, q)
+    monkeypatch.setenv(VARLEN_ENV, " OFF ")
+    assert varlen_mode() == "off"
+    monkeypatch.setenv(VARLEN_ENV, "always")
+    with pytest.raises(CPAttentionError, match=r"MEGATRON_HCP_VARLEN='always': use auto .*"
+                                               r"unset it for auto"):
+        varlen_mode()
+    x = torch.randn(1, 8, 2, 4)
+    with pytest.raises(CPAttentionError, match="MEGATRON_HCP_VARLEN='always'"):
+        local_attention(x, x, x)
+
+
+def test_auto_splits_what_varlen_calls_make_cheap():
+    """256 sequences of 128 tokens at CP 4 stay masked as pieces (hundreds of calls) but
+    split as varlen calls (two a block)."""
+    short = SeqLayout((128,) * 256, (120,) * 256, 4, 1).with_grouped_halves()
+    with splitting("auto"):
+        for src in range(4):
+            assert plan_block(short, short.at(4, src), True).pieces is None
+            block = plan_block(short, short.at(4, src), True, varlen=True)
+            assert block.pieces is not None and len(block.calls) == 2
+
+
+@pytest.fixture(scope="module")
+def threads():
+    with ThreadedWorld(WORLD, device="cpu") as world:
+        yield world
+
+
+def _varlen_cases(cases):
+    with BlockCounter() as counter, splitting("on"), varlening("on"):  # in this rank thread
+        errors = run_cases(cases)
+    return errors, counter.masks, counter.kernels
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("comm", COMMS)
+def test_oracle_thd_cases_through_varlen_calls(threads, monkeypatch, comm, mode):
+    """CP attention on packed sequences with every block in pieces run as varlen calls - the
+    reference (SDPA per segment, checked above) in the kernel's place, taking every block
+    with one head dim - against the single-process oracle (fp64 1e-10, fp32 1e-5): causal /
+    full, MHA / GQA / KV replication, CP 2 / 4, a softmax offset; MLA head dims (which FA2
+    does not take) run their pieces one call each; no mask is built."""
+    monkeypatch.setattr(varlen_module, "_fa2_takes",
+                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
+    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
+    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
+    cases = [case for case in (*matrix_cases(comm, "thd", mode), *mla_cases(comm, mode),
+                               *offset_cases(comm, mode)) if case[1] == "thd"]
+    cases = runnable_in(cases, WORLD)
+    per_rank = threads.run(_varlen_cases, cases)
+    assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
+    assert not any(masks for _, masks, _ in per_rank), [masks for _, masks, _ in per_rank]
+    assert all(kernels[(VARLEN_KERNEL, "")] > 0 for *_, kernels in per_rank), per_rank
+
+
+def test_the_planned_call_table():
+    """benchmarks/attention.py --launches' packed table, small: a row per packing, S and CP
+    that cuts every sequence; masked blocks make one call a block (CP a rank), pieces one a
+    piece, varlen calls at most two a block whatever the number of sequences."""
+    from benchmarks.attention import packed_call_table
+
+    lines = packed_call_table([256], {"long": (8, 4, 2, 2), "short": (1,) * 16}, [2, 4, 8])
+    rows = [line.split() for line in lines[3:]]
+    assert [r[:3] for r in rows] == [["long", "256", "2"], ["long", "256", "4"],
+                                     ["long", "256", "8"], ["short", "256", "2"],
+                                     ["short", "256", "4"], ["short", "256", "8"]], rows
+    for row in rows:
+        cp, (masked, pieces, varlen, auto, auto_varlen) = int(row[2]), map(int, row[3:])
+        assert masked == cp and varlen <= 2 * cp < pieces, row
+        assert masked <= auto <= pieces, row
+        assert masked <= auto_varlen <= varlen, row
