@@ -196,8 +196,9 @@ def _mask(q: Meta, k: Meta, causal: bool, window: Window) -> torch.Tensor:
 
 
 # a side of a window no token limit (-1) as a bound no gap reaches: one fused function for
-# every window (a Python branch would compile a variant per side)
-_UNBOUNDED = 2**62
+# every window (a Python branch would compile a variant per side); within int32, which a
+# compiled kernel may type its integer arguments as (inductor's block pointers)
+_UNBOUNDED = 2**31 - 1
 
 
 def _additive_fused(q_seq, q_pos, q_ok, k_seq, k_pos, k_ok, left: int, right: int,
@@ -250,6 +251,10 @@ class BlockMask:
     def device(self) -> torch.device:
         return self.q[0].device
 
+    def query_rows(self, rows: slice) -> BlockMask:
+        """The mask of the query rows ``rows`` only (the same keys)."""
+        return BlockMask(tuple(t[rows] for t in self.q), self.k, self.causal, self.window)
+
     def dense(self) -> torch.Tensor:
         """The visible pairs as a boolean [rows, cols] tensor."""
         return _mask(self.q, self.k, self.causal, self.window)
@@ -263,7 +268,7 @@ class BlockMask:
         width = cols if width is None else width
         if fuses(self.device, rows * cols):
             left, right = self.window if self.window is not None else (-1, -1)
-            left, right = (_UNBOUNDED if x < 0 else x for x in (left, right))
+            left, right = (_UNBOUNDED if x < 0 else min(x, _UNBOUNDED) for x in (left, right))
             if self.causal:  # keys at most 0 tokens after the query
                 right = min(right, 0)
             done, result = run_fused(_additive_fused, *self.q, *self.k, left, right, width,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .blocks import BlockMask, additive_of, record_kernel
 
@@ -100,18 +101,27 @@ def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     K/V with fewer heads than q are asked as grouped-query attention (``enable_gqa``)."""
     from torch.backends import cuda as sdp
 
-    if isinstance(mask, BlockMask):  # torch checks a mask's dtype, shape and layout only: an
-        mask = torch.empty(mask.shape, dtype=torch.bool, device=q.device)  # unfilled stand-in
+    if mask is not None:  # torch checks a mask's dtype, shape and last stride only: one
+        # unfilled row seen as every row (no [rows, cols] allocation per check)
+        rows, cols = mask.shape
+        mask = torch.empty((1, cols), dtype=torch.bool, device=q.device).expand(rows, cols)
     gqa = k.shape[1] != q.shape[1]
-    try:
-        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, gqa)
-    except TypeError:  # torch < 2.5: no enable_gqa argument
-        if gqa:
-            return False
-        params = sdp.SDPAParams(q, k, v, mask, 0.0, causal)
     check = (sdp.can_use_flash_attention if kernel == CUDA_FLASH
              else sdp.can_use_efficient_attention)
-    return bool(check(params, False))
+    # asked as for training (q requires grad, grad mode on, as torch's SDPA front end sees a
+    # training call: the block's backward runs the same kernel, and torch refuses some
+    # (flash with head dims over 192 on sm86/89/120) for training only; the autograd
+    # Function's forward runs with grad mode off, where that check would not run; an
+    # inference tensor has no backward and cannot require grad)
+    with torch.enable_grad():
+        q = q if q.is_inference() else q.detach().requires_grad_()
+        try:
+            params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, gqa)
+        except TypeError:  # torch < 2.5: no enable_gqa argument
+            if gqa:
+                return False
+            params = sdp.SDPAParams(q, k, v, mask, 0.0, causal)
+        return bool(check(params, False))
 
 
 @lru_cache(maxsize=1)
@@ -245,8 +255,43 @@ def _additive(mask: torch.Tensor | BlockMask, causal: bool, q: torch.Tensor, see
     return add, rows_seen
 
 
+# torch before 2.13 addresses the efficient kernel's bias rows in its forward with a 32-bit
+# offset (``query_start * bias_strideM``, mem_eff_attention/kernel_forward.h; 2.13 computes
+# it in 64 bits): wrong rows past 2^32 mask elements, silently. Masked blocks that large run
+# in row chunks of at most 2^31 elements there.
+_BIAS_ELEMENTS = 2**31 if TorchVersion(torch.__version__) < "2.13" else None
+
+
+def _row_chunks(rows: int, cols: int) -> list[slice] | None:
+    """The row chunks a masked block of ``rows`` x ``cols`` runs in on the efficient kernel
+    (its mask rows padded to 16 elements), or ``None`` where it runs whole."""
+    width = -(-cols // 16) * 16
+    if _BIAS_ELEMENTS is None or rows * width < _BIAS_ELEMENTS:
+        return None
+    step = max(1, _BIAS_ELEMENTS // width)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _in_row_chunks(run, q, mask: torch.Tensor | BlockMask, causal: bool,
+                   chunks: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run(q rows, their mask)`` per chunk of rows, outputs and LSEs concatenated (rows
+    are independent); a causal flag folds into the mask first (a chunk's diagonal is not
+    its own)."""
+    if causal:
+        mask = mask.dense() if isinstance(mask, BlockMask) else mask
+        mask = mask & torch.ones_like(mask).tril()
+    parts = [run(q[:, :, rows], mask.query_rows(rows) if isinstance(mask, BlockMask)
+                 else mask[rows]) for rows in chunks]
+    return torch.cat([out for out, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
                    mask: torch.Tensor | BlockMask | None = None):
+    if kernel == CUDA_EFFICIENT and mask is not None and (
+            chunks := _row_chunks(q.shape[2], mask.shape[1])):
+        return _in_row_chunks(
+            lambda rows, part: _fused_forward(kernel, rows, k, v, scale, False, part),
+            q, mask, causal, chunks)
     add = seen = None
     if mask is not None:  # the causal flag folds into the mask
         add, seen = _additive(mask, causal, q, seen=True)
@@ -327,8 +372,8 @@ def block_forward(
     pairs (booleans, or a :class:`~.blocks.BlockMask` that builds them); ``bias``
     (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``kernel``: the block's
     :func:`kernel_for` (computed when not given; counted in every active
-    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (flash), fp32 (CUDA efficient) or
-    the accumulation dtype (math); ``lse`` is [B,H,Sq].
+    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (the fused kernels) or the
+    accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]
     q, k, v = _rows(q), _rows(k), _rows(v)

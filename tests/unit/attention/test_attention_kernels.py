@@ -514,3 +514,62 @@ def test_a2a_permutation_gives_the_layout_one_level_up(mode, cp, a):
             for got, field in zip(gathered, ("seq_id", "pos", "valid")):
                 assert torch.equal(got[perm], getattr(want, field)), (group, grouped, field)
                 assert torch.equal(got[perm][inv], got)
+
+
+def test_huge_masked_blocks_run_in_row_chunks_where_torch_addresses_32_bits(monkeypatch):
+    """torch < 2.13's efficient kernel addresses its mask rows with 32-bit offsets: a masked
+    block of 2^31 mask elements or more (rows padded to 16) runs there in row chunks below
+    that, which compute what the whole block computes - a packed block's mask and a boolean
+    one, a causal flag folded into the mask first (CPU flash kernel, a small limit)."""
+    from megatron_hcp.attention.reference import kernels
+    from megatron_hcp.attention.reference.blocks import plan_block
+    from megatron_hcp.attention.reference.pieces import splitting
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout
+
+    monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", 32 * 20)  # 20 rows of 32 (cols 17..32)
+    assert kernels._row_chunks(19, 20) is None
+    assert kernels._row_chunks(50, 20) == [slice(0, 20), slice(20, 40), slice(40, 50)]
+    monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", None)  # torch >= 2.13: whole
+    assert kernels._row_chunks(10**6, 10**6) is None
+    monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", 32 * 7)
+    layout = SeqLayout((16, 32), (13, 30), 1, 0)  # 48 tokens, two packed sequences
+    with splitting("off"):
+        block = plan_block(layout, layout, True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 48, 8, generator=gen, dtype=torch.float64) for _ in "qkv")
+    boolean = torch.rand(48, 48, generator=gen) < 0.5
+    for mask, causal in ((block.mask, False), (boolean, True), (boolean, False)):
+        chunks = kernels._row_chunks(48, 32)
+        assert len(chunks) == 7
+        got = kernels._in_row_chunks(
+            lambda rows, part: kernels._fused_forward(CPU_FLASH, rows, k, v, 0.3, False, part),
+            q, mask, causal, chunks)
+        want = kernels._fused_forward(CPU_FLASH, q, k, v, 0.3, causal, mask)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_torch_is_asked_as_for_training_with_an_unallocated_mask(monkeypatch):
+    """torch's kernel checks are asked as its SDPA front end asks them for a training call -
+    grad mode on, q requiring grad (it refuses flash for some head dims on some GPUs only
+    then) - even from the autograd Function's forward (grad mode off); an inference tensor
+    as it is. A mask is asked as one row expanded (stride 0): no [rows, cols] allocation."""
+    from torch.backends import cuda as sdp
+
+    seen = []
+
+    def check(params, debug):
+        seen.append((torch.is_grad_enabled(), params.query.requires_grad,
+                     None if params.attn_mask is None else params.attn_mask.stride()))
+        return True
+
+    monkeypatch.setattr(sdp, "can_use_efficient_attention", check)
+    q = torch.randn(1, 2, 64, 8)
+    with torch.no_grad():
+        assert _torch_accepts(CUDA_EFFICIENT, q, q, q, False,
+                              torch.ones(64, 48, dtype=torch.bool))
+    with torch.inference_mode():
+        frozen = torch.randn(1, 2, 64, 8)
+        assert _torch_accepts(CUDA_EFFICIENT, frozen, frozen, frozen, True)
+    assert seen == [(True, True, (0, 1)), (True, False, None)], seen
+    assert not q.requires_grad
