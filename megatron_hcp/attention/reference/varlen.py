@@ -32,12 +32,14 @@ from typing import NamedTuple
 
 import torch
 
+from .fused import _capturing
 from .pieces import Piece
 from .switches import Switch
 
-__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "reference_backward",
-           "reference_forward", "varlen_calls", "varlen_backward", "varlen_forward",
-           "varlen_mode", "varlen_takes", "varlening"]
+__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "forget_kernel_checks",
+           "kernel_matches_reference", "reference_backward", "reference_forward",
+           "varlen_backward", "varlen_calls", "varlen_forward", "varlen_mode", "varlen_takes",
+           "varlening"]
 
 VARLEN_ENV = "MEGATRON_HCP_VARLEN"
 VARLEN_MODES = ("auto", "on", "off")
@@ -328,11 +330,32 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(diff <= 1e-2 * want[finite].norm() + 1e-3)
 
 
-@lru_cache(maxsize=8)
+# kernel_matches_reference's answers, per (device, dtype): a cache, as lru_cache's would be,
+# which a CUDA graph capture can leave unasked
+_MATCHED: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
 def kernel_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether FA2's varlen kernel gives :func:`reference_forward` / :func:`reference_backward`
-    on a small GQA packing (:func:`_probe_calls`) on this GPU, in ``dtype``: once per process,
-    GPU and dtype; a mismatch or an error warns once and leaves the pieces one call each."""
+    on a small GQA packing (:func:`_probe_calls`) on this GPU, in ``dtype``: checked once per
+    process, GPU and dtype; a mismatch or an error warns once and leaves the pieces one call
+    each. Not checked while a CUDA graph is captured (the check allocates and copies from the
+    host): ``False`` there, the pieces one call each, and asked again after the capture."""
+    key = (device, dtype)
+    if key not in _MATCHED:
+        if _capturing():
+            return False
+        _MATCHED[key] = _check_kernel(device, dtype)
+    return _MATCHED[key]
+
+
+def forget_kernel_checks() -> None:
+    """Drop :func:`kernel_matches_reference`'s answers (tests: check again)."""
+    _MATCHED.clear()
+
+
+def _check_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`kernel_matches_reference`, asked."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = cols = 96
     q, dout = (torch.randn(1, 4, rows, 64, generator=gen).to(device, dtype) for _ in "qo")

@@ -25,6 +25,7 @@ from megatron_hcp.attention.reference.varlen import (
     VARLEN_ENV,
     VARLEN_KERNEL,
     VarlenCall,
+    forget_kernel_checks,
     kernel_matches_reference,
     reference_backward,
     reference_forward,
@@ -165,11 +166,11 @@ def test_the_check_accepts_the_reference_and_refuses_another_kernel(monkeypatch)
     monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
     monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
-    kernel_matches_reference.cache_clear()
+    forget_kernel_checks()
     try:
         assert kernel_matches_reference(torch.device("cpu"), torch.bfloat16)
         assert varlen_takes(q, q, q)
-        kernel_matches_reference.cache_clear()
+        forget_kernel_checks()
         monkeypatch.setattr(varlen_module, "_flash_forward", _broken_forward)
         with pytest.warns(RuntimeWarning, match=r"varlen kernel did not match .*"
                                                 r"MEGATRON_HCP_VARLEN=off"):
@@ -182,7 +183,22 @@ def test_the_check_accepts_the_reference_and_refuses_another_kernel(monkeypatch)
         with varlening("off"):
             assert not varlen_takes(q, q, q)
     finally:
-        kernel_matches_reference.cache_clear()
+        forget_kernel_checks()
+
+
+def test_no_check_while_a_cuda_graph_is_captured(monkeypatch):
+    """While a CUDA graph is captured the check (allocations, a copy from the host) is not
+    made: the pieces one call each, and the question asked again after the capture."""
+    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
+    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
+    forget_kernel_checks()
+    try:
+        monkeypatch.setattr(varlen_module, "_capturing", lambda: True)
+        assert not kernel_matches_reference(torch.device("cpu"), torch.float16)
+        monkeypatch.setattr(varlen_module, "_capturing", lambda: False)
+        assert kernel_matches_reference(torch.device("cpu"), torch.float16)
+    finally:
+        forget_kernel_checks()
 
 
 def test_no_varlen_on_the_cpu_and_the_switch_is_checked(monkeypatch):
