@@ -27,7 +27,7 @@ from .kernels import acc_dtype, block_backward, block_forward
 from .merge import merge_into
 from .pieces import split_mode, splitting
 from .seq_layout import SeqLayout
-from .varlen import VARLEN_KERNEL, varlen_backward, varlen_forward, varlen_takes
+from .varlen import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
 
 __all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]
 
@@ -76,13 +76,23 @@ def _add_bias_grad(dbias, grad, where) -> None:
         dbias.index_add_(2, rows.to(grad.device), by_col.to(dbias.dtype))
 
 
+def _calls(block: Block, q: torch.Tensor, varlen: bool):
+    """The varlen calls a block in pieces runs as (:func:`~.varlen.kernel_calls` for q's
+    heads and head dim), or ``None``: not ``varlen``, no pieces, or a segment FA2 cannot
+    take (the pieces then run one call each)."""
+    if not varlen or block.pieces is None:
+        return None
+    return kernel_calls(block.calls, q.shape[1], q.shape[-1])
+
+
 def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, varlen=False):
     """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet;
     ``varlen``: a block in pieces runs as its varlen calls, :func:`_varlen`)."""
-    if block.pieces is not None and varlen:  # a few calls of many sequences each, each
-        # copied in where it is the first to reach its rows (calls' rows may overlap)
+    calls = _calls(block, q, varlen)
+    if calls is not None:  # a few calls of many sequences each, each copied in where it is
+        # the first to reach its rows (calls' rows may overlap)
         spans: list[slice] = []
-        for call in block.calls:
+        for call in calls:
             ob, lb = varlen_forward(q, k, v, call, scale)
             rows = call.row_span
             record_kernel(VARLEN_KERNEL)
@@ -110,8 +120,9 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, v
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None, *,
                     varlen=False):
-    if block.pieces is not None and varlen:  # its varlen calls (no bias with packed data)
-        for call in block.calls:
+    calls = _calls(block, q, varlen)
+    if calls is not None:  # its varlen calls (no bias with packed data)
+        for call in calls:
             gq, gk, gv = varlen_backward(dout, q, k, v, out, lse, call, scale)
             dq[:, :, call.row_span].add_(gq)
             dk[:, :, call.col_span].add_(gk)

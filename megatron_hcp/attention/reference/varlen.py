@@ -37,7 +37,7 @@ from .pieces import Piece
 from .switches import Switch
 
 __all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "forget_kernel_checks",
-           "kernel_matches_reference", "reference_backward", "reference_forward",
+           "kernel_calls", "kernel_matches_reference", "reference_backward", "reference_forward",
            "varlen_backward", "varlen_calls", "varlen_forward", "varlen_mode", "varlen_takes",
            "varlening"]
 
@@ -143,6 +143,53 @@ def varlen_calls(pieces: tuple[Piece, ...]) -> tuple[VarlenCall, ...]:
     return tuple(_call(causal, chain) for causal, chain in _chains(pieces))
 
 
+# FA2's varlen backward accumulates dq in an fp32 buffer of (rows + 128 per segment) x heads x
+# head dim (rounded up), addressed with 32-bit offsets (flash_bwd_kernel.h, as torch builds
+# it); its grid takes at most 65535 segments (gridDim.y). Calls past either run in parts.
+_DQ_ACCUM_ELEMENTS = 2**31
+_MAX_SEGMENTS = 65535
+
+
+def _rounded_head_dim(d: int) -> int:
+    """FA2's ``head_size_rounded``: a multiple of 8, then of 32 (up to 128) or 64."""
+    d = -(-d // 8) * 8
+    step = 32 if d <= 128 else 64
+    return -(-d // step) * step
+
+
+@lru_cache(maxsize=256)
+def kernel_calls(calls: tuple[VarlenCall, ...], heads: int, head_dim: int
+                 ) -> tuple[VarlenCall, ...] | None:
+    """``calls`` as FA2 runs them for ``heads`` query heads of ``head_dim``: each cut at
+    segment boundaries into parts whose dq buffer stays within 32-bit offsets
+    (:data:`_DQ_ACCUM_ELEMENTS`) and whose segments fit its grid; ``None`` where one segment
+    alone does not (its pieces then run one call each, on the dense kernels)."""
+    per_row = heads * _rounded_head_dim(head_dim)
+    parts: list[VarlenCall] = []
+    for call in calls:
+        row, col, first = call.row, call.col, 0
+        rows = count = 0
+        for i, q in enumerate(call.q_lens):
+            if (q + 128) * per_row >= _DQ_ACCUM_ELEMENTS:
+                return None
+            if (rows + q + 128 * (count + 1)) * per_row >= _DQ_ACCUM_ELEMENTS or (
+                    count == _MAX_SEGMENTS):
+                parts.append(_part(call, first, i, row, col))
+                row += rows
+                col += sum(call.k_lens[first:i])
+                first, rows, count = i, 0, 0
+            rows += q
+            count += 1
+        parts.append(_part(call, first, len(call.q_lens), row, col))
+    return tuple(parts)
+
+
+def _part(call: VarlenCall, first: int, stop: int, row: int, col: int) -> VarlenCall:
+    """Segments ``first:stop`` of ``call``, starting at local row ``row`` and column ``col``."""
+    q_lens, k_lens = call.q_lens[first:stop], call.k_lens[first:stop]
+    return VarlenCall(row, sum(q_lens), col, sum(k_lens), q_lens, k_lens, call.causal)
+
+
 @lru_cache(maxsize=256)
 def _cumulative(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Segment offsets ``[0, l0, l0 + l1, ...]`` as int32 on ``device``: once per packing."""
@@ -196,7 +243,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Varl
         _cumulative(call.q_lens, device), _cumulative(call.k_lens, device),
         _longest(call.q_lens), _longest(call.k_lens), call.causal, scale)
     if call.empty_rows:  # FA2 writes +inf for a row without keys; a merge reads -inf
-        lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"))
+        lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
+                               neginf=float("-inf"))
     return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
 
 

@@ -105,6 +105,64 @@ def test_gaps_become_segments_without_keys_or_rows():
     assert dense.q_lens == (3, 2) and not dense.empty_rows
 
 
+def test_calls_run_in_parts_within_fa2s_limits(monkeypatch):
+    """A call whose dq buffer (rows + 128 a segment, times heads x rounded head dim) would
+    pass 32-bit offsets, or whose segments pass the grid's limit, runs in parts cut at
+    segment boundaries that compute the same pairs; a segment too large alone: no calls."""
+    layout = SeqLayout((32,) * 12, (30,) * 12, 2, 0).with_grouped_halves()
+    with splitting("on"):
+        block = plan_block(layout, layout, True)
+    n = layout.local_tokens
+    assert varlen_module.kernel_calls(block.calls, 16, 128) == block.calls  # fits: as planned
+    assert varlen_module._rounded_head_dim(72) == 96
+    assert varlen_module._rounded_head_dim(136) == 192
+    buffer = (8 + 128 * 3) * 2 * 32  # three segments of 8 rows pass it, two do not
+    for elements, segments, most in ((buffer, 65535, 2), (2**31, 3, 3)):
+        monkeypatch.setattr(varlen_module, "_DQ_ACCUM_ELEMENTS", elements)
+        monkeypatch.setattr(varlen_module, "_MAX_SEGMENTS", segments)
+        varlen_module.kernel_calls.cache_clear()
+        parts = varlen_module.kernel_calls(block.calls, 2, 8)
+        assert len(parts) > len(block.calls)
+        assert torch.equal(sum(_call_pairs(p, n) for p in parts),
+                           sum(_call_pairs(c, n) for c in block.calls))
+        assert max(len(part.q_lens) for part in parts) == most
+        for part in parts:
+            assert (part.rows + 128 * len(part.q_lens)) * 2 * 32 < elements
+    monkeypatch.setattr(varlen_module, "_DQ_ACCUM_ELEMENTS", (4 + 128) * 2 * 32)
+    varlen_module.kernel_calls.cache_clear()
+    assert varlen_module.kernel_calls(block.calls, 2, 8) is None  # an 8-row segment alone
+    varlen_module.kernel_calls.cache_clear()
+
+
+def test_attention_through_parts_of_calls(monkeypatch):
+    """Packed attention whose calls run in parts of two segments (the reference in the
+    kernel's place) gives the pieces' output and gradients (fp64, GQA, padding)."""
+    monkeypatch.setattr(varlen_module, "_fa2_takes", lambda q, k, v: True)
+    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
+    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
+    monkeypatch.setattr(varlen_module, "_MAX_SEGMENTS", 2)
+    varlen_module.kernel_calls.cache_clear()
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 11, 11, 20, 27], dtype=torch.int32)
+    pad = torch.tensor([0, 6, 12, 14, 24, 32], dtype=torch.int32)
+    q, dout = (torch.randn(32, 4, 8, generator=gen, dtype=torch.float64) for _ in "qo")
+    k, v = (torch.randn(32, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    results = {}
+    try:
+        for mode in ("on", "off"):
+            ins = [x.clone().requires_grad_() for x in (q, k, v)]
+            with BlockCounter() as counter, splitting("on"), varlening(mode):
+                out = local_attention(*ins, qkv_format="thd", cu_seqlens_q=cu,
+                                      cu_seqlens_q_padded=pad)
+                out.backward(dout)
+            results[mode] = (out, *(x.grad for x in ins))
+            assert (counter.kernels[(VARLEN_KERNEL, "")] >= 3) == (mode == "on"), counter
+    finally:
+        varlen_module.kernel_calls.cache_clear()
+    for got, want in zip(results["on"], results["off"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def _segments_of(cu_q, cu_k):
     q, k = cu_q.tolist(), cu_k.tolist()
     return list(zip(zip(q, q[1:]), zip(k, k[1:])))
