@@ -88,6 +88,7 @@ from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
 from megatron_hcp.attention.reference.fused import FUSED_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
+from megatron_hcp.attention.reference.varlen import VARLEN_MODES  # noqa: E402
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
     destroy_groups,  # noqa: E402
@@ -294,11 +295,11 @@ PROBLEMS = {"mha": None, "gqa": (32, 8, 128, 128), "mla": (16, 16, 192, 128),
             "window": (16, 16, 128, 128, 4096)}
 
 
-def _both_ways(problem: dict, switch: str, modes: tuple[str, str]) -> tuple[BlockCost, BlockCost]:
-    """``problem`` measured with ``switch`` (``fused`` or ``split``) in each of ``modes``,
-    against one baseline time."""
-    old = measure_block_cost(**problem, **{switch: modes[0]})
-    return old, measure_block_cost(**problem, **{switch: modes[1]}, sdpa_s=old.sdpa_s)
+def _both_ways(problem: dict, before: dict, after: dict) -> tuple[BlockCost, BlockCost]:
+    """``problem`` measured with the switches ``before`` (``fused``, ``split``, ``varlen``:
+    :func:`measure_block_cost`'s modes), then ``after``, against one baseline time."""
+    old = measure_block_cost(**problem, **before)
+    return old, measure_block_cost(**problem, **after, sdpa_s=old.sdpa_s)
 
 
 def _times(old: BlockCost, new: BlockCost) -> str:
@@ -322,12 +323,15 @@ def _size(s: int) -> str:
 
 def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                     dtype: str, cps: list[int], repeats: int, device: str = "cuda",
-                    fused: tuple[str, str] = ("off", "auto")) -> Iterator[str]:
+                    fused: tuple[str, str] = ("off", "auto"),
+                    varlen: tuple[str, str] = ("off", "auto")) -> Iterator[str]:
     """The lines of the --device cuda table, each yielded once measured (a run cut short keeps
     the rows it printed) (one GPU; ``device="cpu"`` runs the same table small,
     in the tests): per problem, sequence length and CP size, the blocks' time summed over the
     ranks with each of the two ``fused`` modes (``MEGATRON_HCP_FUSED_OPS``: before and after
-    fusing the LSE merges and the masks, in the same run) against one SDPA call, the verdict
+    fusing the LSE merges and the masks, in the same run) and ``varlen`` modes
+    (``MEGATRON_HCP_VARLEN``: windowed blocks masked, or in FA2's own window) against one SDPA
+    call, the verdict
     of the second, the kernels the blocks took and the paths the merges and masks took; a CP
     size that does not cut a sequence into 2*CP chunks is left out, and so is a windowed
     sequence longer than the one-call baseline's mask allows (``MAX_WINDOW_BASELINE``, said in
@@ -335,8 +339,9 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     before, after = fused
     yield (f"{name}, torch {torch.__version__}, {dtype}, causal, batch 1; forward + backward, "
-             f"best of {repeats}; fused {before} | {after} (MEGATRON_HCP_FUSED_OPS); goal "
-             f"(fused {after}): <= 1.10x at CP <= 8, <= 1.25x at CP 16")
+             f"best of {repeats}; fused {before} | {after} (MEGATRON_HCP_FUSED_OPS), varlen "
+             f"{varlen[0]} | {varlen[1]} (MEGATRON_HCP_VARLEN); goal (the second): <= 1.10x "
+             "at CP <= 8, <= 1.25x at CP 16")
     header = (f"{'problem':<22} {'S':>6} {'CP':>3} {'blocks/rank':>11} {'ms ' + before:>10} "
               f"{'ms ' + after:>10} {'SDPA ms':>9} {'x ' + before:>8} {'x ' + after:>8} "
               f"{'goal':>7}  kernels (forward calls); merges, masks ({after})")
@@ -355,7 +360,8 @@ def gpu_block_table(seqs: list[int], problems: dict[str, tuple[int, ...]],
                 problem = dict(seq=s, heads=h, kv_heads=hkv, dim=d, dim_v=dv, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                window=window)
-                old, new = _both_ways(problem, "fused", fused)
+                old, new = _both_ways(problem, {"fused": before, "varlen": varlen[0]},
+                                      {"fused": after, "varlen": varlen[1]})
                 paths = "; ".join(
                     f"{what} " + _paths(done)
                     for what, done in (("merges", new.merges), ("masks", new.masks)) if done)
@@ -407,7 +413,7 @@ def packed_block_table(seqs: list[int], packings: dict[str, tuple[int, ...]], he
                 problem = dict(seq=s, heads=heads, kv_heads=heads, dim=dim, cp=cp,
                                dtype=DTYPES[dtype], device=device, repeats=repeats,
                                lengths=lengths)
-                old, new = _both_ways(problem, "split", splits)
+                old, new = _both_ways(problem, {"split": before}, {"split": after})
                 yield (f"{label:<16} {_size(s):>6} {cp:>3} {new.blocks_per_rank:>10} "
                        f"{_times(old, new)}  {_kernels(new)}; masks {_paths(new.masks) or 'none'}")
 
@@ -504,6 +510,9 @@ def main() -> None:
                         help="cuda only: mha (--heads, --dim), gqa (32 heads, 8 KV heads, "
                         "d 128), mla (16 heads, d_qk 192, d_v 128), window (16 heads, d 128, "
                         "causal window of 4096 tokens; S <= 65536)")
+    parser.add_argument("--varlen", nargs=2, choices=VARLEN_MODES, default=["off", "auto"],
+                        help="cuda only: MEGATRON_HCP_VARLEN before and after (windowed "
+                        "blocks masked, or in FlashAttention-2's own window)")
     parser.add_argument("--fused", nargs=2, choices=FUSED_MODES, default=["off", "auto"],
                         metavar="MODE", help="cuda only: the two modes of the merges and masks "
                         "each row times (MEGATRON_HCP_FUSED_OPS, before and after; default: "
@@ -546,7 +555,7 @@ def main() -> None:
         problems = {p: PROBLEMS[p] or (h, hkv, d, d) for p in args.problems}
         seqs = args.seqs or [32768, 65536, 131072]
         for line in gpu_block_table(seqs, problems, args.dtype, args.cp, args.repeats,
-                                    fused=tuple(args.fused)):
+                                    fused=tuple(args.fused), varlen=tuple(args.varlen)):
             print(line, flush=True)  # row by row: a run cut short keeps what it measured
         for line in (packed_block_table(args.packed_seqs, PACKINGS, h, d, args.dtype, args.cp,
                                         args.repeats) if args.packed_seqs else ()):

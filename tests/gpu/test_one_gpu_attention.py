@@ -348,3 +348,40 @@ def test_packed_blocks_as_varlen_calls_on_cuda(gpu_threads, report, comm):
               f"{worst(calls):.1e} (pieces one call each: {worst(pieces):.1e})")
     assert kernels == {VARLEN_KERNEL}, kernels
     assert worst(calls) <= 2 * worst(pieces) + 1e-2
+
+
+def _windows_as(cases, varlen, device):
+    from megatron_hcp.attention.reference.varlen import varlening
+
+    with BlockCounter() as counter, varlening(varlen):  # in this rank thread
+        errors = run_cases(cases, device)
+    return errors, dict(counter.kernels), sum(counter.masks.values())
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_windows_in_fa2s_own_window_on_cuda(gpu_threads, report, comm):
+    """Sliding windows in half precision (bshd batch 2 and thd; causal and full; GQA) with
+    every windowed block as the varlen calls of its bands (bands.py: FA2's own window,
+    MEGATRON_HCP_VARLEN=on): only the varlen kernel runs, no mask is built, and the error
+    against the fp64 oracle is within twice the masked blocks' (efficient kernel) + 1e-2."""
+    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+    from tests.unit.attention.test_cp_attention import HEADS, WINDOWS
+
+    half = [(comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None,
+             WINDOWS[seed % len(WINDOWS)])
+            for seed, (fmt, causal, dtype) in enumerate(
+                (f, c, d) for f in ("bshd", "thd") for c in (True, False)
+                for d in (torch.bfloat16, torch.float16))]
+    calls = gpu_threads.run(_windows_as, half, "on", "cuda")
+    masked = gpu_threads.run(_windows_as, half, "off", "cuda")
+
+    def worst(results):
+        return max(max(errors[i].values()) for errors, _, _ in results
+                   for i in range(len(half)))
+
+    kernels = {k for _, kernels, _ in calls for (k, _why) in kernels}
+    report(1, f"half-precision windows as varlen calls: kernels {sorted(kernels)}, max error "
+              f"{worst(calls):.1e} (masked blocks: {worst(masked):.1e})")
+    assert kernels == {VARLEN_KERNEL}, kernels
+    assert not any(masks for *_, masks in calls)
+    assert worst(calls) <= 2 * worst(masked) + 1e-2

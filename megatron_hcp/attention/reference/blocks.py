@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 
+from .bands import block_bands
 from .fused import fuses, run_fused
 from .launches import fused_region
 from .pieces import block_pieces, split_mode, worth_splitting
@@ -50,8 +51,8 @@ class Block:
     """Query ``rows`` against key/value ``cols`` (slices or token indices), ``causal`` (the
     square diagonal) or masked by ``mask`` (a :class:`BlockMask`); or, where ``pieces`` is
     not ``None``, computed as those dense blocks (:mod:`.pieces`: a packed block per
-    sequence) instead, or as the varlen ``calls`` that compute them (:mod:`.varlen`) where
-    the kernel takes them."""
+    sequence) instead; ``calls``: the varlen calls that compute the block (its pieces, or a
+    windowed block's bands: :mod:`.varlen`) where the kernel takes them."""
 
     rows: Selector
     cols: Selector
@@ -325,7 +326,8 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
     """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
     ``None`` when ``window`` leaves no visible pair in it. Index tensors and the mask are on
     the layouts' device. ``varlen``: a packed block in pieces will run as its varlen calls
-    (:mod:`.varlen`), so splitting costs their launches, not one per piece."""
+    (:mod:`.varlen`), so splitting costs their launches, not one per piece; a windowed block
+    gets the varlen calls of its bands (:mod:`.bands`) besides its mask."""
     halves = _halves(q_layout, kv_layout, causal)
     if halves is None:
         return None
@@ -350,4 +352,10 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         if trimmed is None:
             return None
         rows, cols, q_meta, k_meta = trimmed
+        if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`); the mask
+            # stays the block's plan where the calls cannot run (a segment too large)
+            calls = varlen_calls(block_bands(q_layout, kv_layout, which_rows, which_cols,
+                                             causal, window))
+            return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
+                         calls=calls)
     return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))

@@ -77,10 +77,10 @@ def _add_bias_grad(dbias, grad, where) -> None:
 
 
 def _calls(block: Block, q: torch.Tensor, varlen: bool):
-    """The varlen calls a block in pieces runs as (:func:`~.varlen.kernel_calls` for q's
-    heads and head dim), or ``None``: not ``varlen``, no pieces, or a segment FA2 cannot
-    take (the pieces then run one call each)."""
-    if not varlen or block.pieces is None:
+    """The varlen calls a block runs as (:func:`~.varlen.kernel_calls` for q's heads and head
+    dim), or ``None``: not ``varlen``, no calls planned, or a segment FA2 cannot take (the
+    block then runs its pieces one call each, or its mask)."""
+    if not varlen or block.calls is None:
         return None
     return kernel_calls(block.calls, q.shape[1], q.shape[-1])
 
@@ -88,7 +88,7 @@ def _calls(block: Block, q: torch.Tensor, varlen: bool):
 def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, varlen=False):
     """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet;
     ``varlen``: a block in pieces runs as its varlen calls, :func:`_varlen`)."""
-    calls = _calls(block, q, varlen)
+    calls = _calls(block, q, varlen and bias is None)
     if calls is not None:  # a few calls of many sequences each, each copied in where it is
         # the first to reach its rows (calls' rows may overlap)
         spans: list[slice] = []
@@ -120,8 +120,8 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, v
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None, *,
                     varlen=False):
-    calls = _calls(block, q, varlen)
-    if calls is not None:  # its varlen calls (no bias with packed data)
+    calls = _calls(block, q, varlen and bias is None)
+    if calls is not None:  # its varlen calls (FA2 takes no bias: those blocks keep theirs)
         for call in calls:
             gq, gk, gv = varlen_backward(dout, q, k, v, out, lse, call, scale)
             dq[:, :, call.row_span].add_(gq)
@@ -186,10 +186,10 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
             window: Window) -> bool:
-    """Whether this call's packed blocks in pieces run as varlen calls
-    (:func:`~.varlen.varlen_takes`; dense layouts and windows have no pieces). Planned once per
-    forward and saved for its backward."""
-    return not layout.is_dense and window is None and varlen_takes(q, k, v)
+    """Whether this call's packed blocks in pieces and windowed blocks run as varlen calls
+    (:func:`~.varlen.varlen_takes`; a dense layout without a window has neither). Planned once
+    per forward and saved for its backward."""
+    return (not layout.is_dense or window is not None) and varlen_takes(q, k, v)
 
 
 def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:

@@ -12,7 +12,9 @@ query half against its key half) is such a batch: the runs between two pieces (p
 tokens of sequences with nothing in the pair) become segments of rows without keys (FA2
 writes output 0 and LSE ``+inf`` for them, read here as ``-inf``) and of keys without rows.
 A block takes one call per chain whatever the number of sequences: at most two with a causal
-mask (the diagonal squares and the keys before the queries), three without.
+mask (the diagonal squares and the keys before the queries), three without. A windowed block
+(dense or packed) becomes bands under FA2's own sliding window (:mod:`.bands`), chained the
+same way per window: at most four calls.
 
 ``MEGATRON_HCP_VARLEN`` chooses for blocks computed in pieces: ``auto`` (the default: on CUDA
 where FlashAttention-2 takes the block's q/k/v - fp16/bf16, one head dim, a multiple of 8 up
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from .bands import Band
 from .fused import _capturing
 from .pieces import Piece
 from .switches import Switch
@@ -67,7 +70,9 @@ def varlening(mode: str):
 class VarlenCall(NamedTuple):
     """One varlen call: local query rows ``[row, row + rows)`` against key columns
     ``[col, col + cols)``, cut into segments of ``q_lens`` rows against ``k_lens`` columns
-    (in order, covering both spans); ``causal``: every segment with both is a causal square."""
+    (in order, covering both spans); ``causal``: every segment with both is a causal square;
+    ``window``: FA2's sliding window of every segment (bottom-right aligned, ``-1`` unbounded:
+    :mod:`.bands`)."""
 
     row: int
     rows: int
@@ -76,6 +81,7 @@ class VarlenCall(NamedTuple):
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
     causal: bool
+    window: tuple[int, int] = (-1, -1)
 
     @property
     def row_span(self) -> slice:
@@ -91,32 +97,38 @@ class VarlenCall(NamedTuple):
         return any(q and not k for q, k in zip(self.q_lens, self.k_lens))
 
 
-def _kind(piece: Piece) -> bool | None:
-    """``True`` for a causal square, ``False`` for a full rectangle, ``None`` for one token
-    against one (the same pair either way: it joins a chain of either kind)."""
-    return None if piece.rows == piece.cols == 1 else piece.causal
+Kind = bool | tuple[int, int] | None
 
 
-def _chains(pieces: tuple[Piece, ...]) -> list[tuple[bool, list[Piece]]]:
-    """``pieces`` as chains of one kind (causal squares or full rectangles) whose rows and
-    columns both increase: in order of row and column, each piece joins the first chain of
-    its kind it extends."""
+def _kind(piece: Piece | Band) -> Kind:
+    """``True`` for a causal square, ``False`` for a full rectangle, a band's window, or
+    ``None`` for one token against one (the same pair every way: it joins a chain of any
+    kind)."""
+    if piece.rows == piece.cols == 1:
+        return None
+    return piece.window if isinstance(piece, Band) else piece.causal
+
+
+def _chains(pieces: tuple[Piece | Band, ...]) -> list[tuple[Kind, list]]:
+    """``pieces`` as chains of one kind (causal squares, full rectangles, bands of one
+    window) whose rows and columns both increase: in order of row and column, each piece
+    joins the first chain of its kind it extends."""
     chains: list[list] = []  # [kind (None while only 1 x 1 pieces), pieces]
     for piece in sorted(pieces, key=lambda p: (p.row, p.col)):
         kind = _kind(piece)
         for chain in chains:
             last = chain[1][-1]
-            if (kind is None or chain[0] in (None, kind)) and (
+            if (kind is None or chain[0] is None or chain[0] == kind) and (
                     piece.row >= last.row + last.rows and piece.col >= last.col + last.cols):
                 chain[0] = kind if chain[0] is None else chain[0]
                 chain[1].append(piece)
                 break
         else:
             chains.append([kind, [piece]])
-    return [(bool(kind), chain) for kind, chain in chains]
+    return [(kind, chain) for kind, chain in chains]
 
 
-def _call(causal: bool, chain: list[Piece]) -> VarlenCall:
+def _call(kind: Kind, chain: list) -> VarlenCall:
     """The segments of one chain: each piece, and before it the rows and the columns since the
     previous one as a segment of rows without keys and one of keys without rows."""
     q_lens: list[int] = []
@@ -133,14 +145,15 @@ def _call(causal: bool, chain: list[Piece]) -> VarlenCall:
         k_lens.append(piece.cols)
         row, col = piece.row + piece.rows, piece.col + piece.cols
     first = chain[0]
+    window = kind if isinstance(kind, tuple) else (-1, -1)
     return VarlenCall(first.row, row - first.row, first.col, col - first.col, tuple(q_lens),
-                      tuple(k_lens), causal)
+                      tuple(k_lens), kind is True, window)
 
 
 @lru_cache(maxsize=256)  # a packing needs a few per position
-def varlen_calls(pieces: tuple[Piece, ...]) -> tuple[VarlenCall, ...]:
+def varlen_calls(pieces: tuple[Piece | Band, ...]) -> tuple[VarlenCall, ...]:
     """The varlen calls that compute exactly the pairs of ``pieces`` (one per chain)."""
-    return tuple(_call(causal, chain) for causal, chain in _chains(pieces))
+    return tuple(_call(kind, chain) for kind, chain in _chains(pieces))
 
 
 # FA2's varlen backward accumulates dq in an fp32 buffer of (rows + 128 per segment) x heads x
@@ -187,7 +200,8 @@ def kernel_calls(calls: tuple[VarlenCall, ...], heads: int, head_dim: int
 def _part(call: VarlenCall, first: int, stop: int, row: int, col: int) -> VarlenCall:
     """Segments ``first:stop`` of ``call``, starting at local row ``row`` and column ``col``."""
     q_lens, k_lens = call.q_lens[first:stop], call.k_lens[first:stop]
-    return VarlenCall(row, sum(q_lens), col, sum(k_lens), q_lens, k_lens, call.causal)
+    return VarlenCall(row, sum(q_lens), col, sum(k_lens), q_lens, k_lens, call.causal,
+                      call.window)
 
 
 @lru_cache(maxsize=256)
@@ -205,10 +219,10 @@ def _longest(lens: tuple[int, ...]) -> int:
     return max(2, *lens)
 
 
-def _segments(x: torch.Tensor, span: slice) -> torch.Tensor:
-    """Rows ``span`` of ``x`` [1, H, S, D] as FA2 takes them: [rows, H, D], head dim
-    contiguous (a view where it already is)."""
-    seg = x[0, :, span].transpose(0, 1)
+def _segments(x: torch.Tensor, span: slice, b: int = 0) -> torch.Tensor:
+    """Rows ``span`` of batch element ``b`` of ``x`` [B, H, S, D] as FA2 takes them:
+    [rows, H, D], head dim contiguous (a view where it already is)."""
+    seg = x[b, :, span].transpose(0, 1)
     return seg if seg.stride(-1) == 1 else seg.contiguous()
 
 
@@ -217,63 +231,83 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        window_size_left=window[0], window_size_right=window[1])
     return out, lse
 
 
-def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window):
     none = torch.empty((), dtype=torch.int64)  # philox seed / offset: unused without dropout
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, none, none,
-        scale=scale)
+        scale=scale, window_size_left=window[0], window_size_right=window[1])
     return dq, dk, dv
 
 
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall,
                    scale: float, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call's output [1, H, rows, Dv] (q's dtype, a view) and LSE [1, H, rows] (fp32;
-    ``-inf`` for rows without keys) from ``q`` [1, H, Sq, D], ``k``/``v`` [1, Hkv, Sk, D];
-    ``kernel``: FA2's varlen forward (default) or one with its arguments and results
-    (:func:`reference_forward`)."""
+    """One call's output [B, H, rows, Dv] (q's dtype) and LSE [B, H, rows] (fp32; ``-inf``
+    for rows without keys) from ``q`` [B, H, Sq, D], ``k``/``v`` [B, Hkv, Sk, D] (one call
+    per batch element: a segment is rows of one sequence); ``kernel``: FA2's varlen forward
+    (default) or one with its arguments and results (:func:`reference_forward`)."""
     device = q.device
-    out, lse = (kernel or _flash_forward)(
-        _segments(q, call.row_span), _segments(k, call.col_span), _segments(v, call.col_span),
-        _cumulative(call.q_lens, device), _cumulative(call.k_lens, device),
-        _longest(call.q_lens), _longest(call.k_lens), call.causal, scale)
-    if call.empty_rows:  # FA2 writes +inf for a row without keys; a merge reads -inf
-        lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
-                               neginf=float("-inf"))
-    return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+    cu_q, cu_k = _cumulative(call.q_lens, device), _cumulative(call.k_lens, device)
+    rows, cols = call.row_span, call.col_span
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        out, lse = (kernel or _flash_forward)(
+            _segments(q, rows, b), _segments(k, cols, b), _segments(v, cols, b), cu_q, cu_k,
+            _longest(call.q_lens), _longest(call.k_lens), call.causal, scale, call.window)
+        if call.empty_rows:  # FA2 writes +inf for a row without keys; a merge reads -inf
+            lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
+                                   neginf=float("-inf"))
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
 
 
 def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, call: VarlenCall, scale: float,
                     kernel=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One call's (dq [1, H, rows, D], dk / dv [1, Hkv, cols, D]) in q's dtype from the final
+    """One call's (dq [B, H, rows, D], dk / dv [B, Hkv, cols, D]) in q's dtype from the final
     output and LSE of its rows (dq 0 on rows without keys, dk / dv 0 on keys without rows);
     ``kernel``: FA2's varlen backward (default) or :func:`reference_backward`."""
     device = q.device
+    cu_q, cu_k = _cumulative(call.q_lens, device), _cumulative(call.k_lens, device)
     rows, cols = call.row_span, call.col_span
-    dq, dk, dv = (kernel or _flash_backward)(
-        _segments(dout.to(q.dtype), rows), _segments(q, rows), _segments(k, cols),
-        _segments(v, cols), _segments(out.to(q.dtype), rows),
-        lse[0, :, rows].to(_lse_dtype(q.dtype)).contiguous(),
-        _cumulative(call.q_lens, device), _cumulative(call.k_lens, device),
-        _longest(call.q_lens), _longest(call.k_lens), call.causal, scale)
-    return tuple(g.transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    grads = []
+    for b in range(q.shape[0]):
+        grads.append((kernel or _flash_backward)(
+            _segments(dout, rows, b), _segments(q, rows, b), _segments(k, cols, b),
+            _segments(v, cols, b), _segments(out, rows, b),
+            lse[b, :, rows].to(_lse_dtype(q.dtype)).contiguous(), cu_q, cu_k,
+            _longest(call.q_lens), _longest(call.k_lens), call.causal, scale, call.window))
+    return tuple(torch.stack([g.transpose(0, 1) for g in per_batch])
+                 for per_batch in zip(*grads))
 
 
-def _segment_scores(q, k, scale, causal):
+def _segment_scores(q, k, scale, causal, window=(-1, -1)):
     """fp32 scores [H, rows, cols] of one segment (K expanded to q's heads), the causal mask
-    aligned bottom-right as FA2 aligns it (the same as top-left on a square)."""
+    and the ``window`` (left, right; ``-1`` unbounded) aligned bottom-right as FA2 aligns them
+    (the causal one the same as top-left on a square): row ``i`` sees key ``j`` where
+    ``j - i`` is within ``[cols - rows - left, cols - rows + right]``."""
     heads = q.shape[1]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if causal:
+    left, right = window
+    right = 0 if causal else right
+    if left >= 0 or right >= 0:
         nq, nk = s.shape[-2:]
-        keep = torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril(nk - nq)
+        gap = (torch.arange(nk, device=s.device)[None, :]
+               - torch.arange(nq, device=s.device)[:, None] - (nk - nq))
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=s.device)
+        if left >= 0:
+            keep &= gap >= -left
+        if right >= 0:
+            keep &= gap <= right
         s = s.masked_fill(~keep, float("-inf"))
     return s
 
@@ -286,7 +320,7 @@ def _bounds(lens: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
-def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     """FlashAttention-2's varlen forward in fp32 math, per segment (what its kernel is checked
     against): q [Tq, H, D], k/v [Tk, Hkv, D(v)]; output [Tq, H, Dv] in q's dtype, LSE [H, Tq]
     fp32; a segment of rows without keys gets output 0 and LSE ``+inf``, as FA2 writes."""
@@ -296,7 +330,7 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     for (q0, q1), (k0, k1) in zip(_bounds(_lens(cu_q)), _bounds(_lens(cu_k))):
         if q1 == q0 or k1 == k0:
             continue
-        s = _segment_scores(q[q0:q1].to(acc), k[k0:k1].to(acc), scale, causal)
+        s = _segment_scores(q[q0:q1].to(acc), k[k0:k1].to(acc), scale, causal, window)
         seg_lse = torch.logsumexp(s, dim=-1)
         vs = v[k0:k1].to(acc).repeat_interleave(heads // v.shape[1], dim=1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.exp(s - seg_lse.unsqueeze(-1)), vs)
@@ -304,7 +338,8 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return out.to(q.dtype), lse.to(torch.float32) if acc != torch.float64 else lse
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                       window=(-1, -1)):
     """FlashAttention-2's varlen backward in fp32 math, per segment, given the final output and
     LSE [H, Tq] of the rows (the probabilities are ``exp(score - lse)``); gradients in q's
     dtype, dK / dV summed over each group of query heads."""
@@ -320,7 +355,8 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
         vs = v[k0:k1].to(acc).repeat_interleave(heads // kv_heads, dim=1)
         ke = ks.repeat_interleave(heads // kv_heads, dim=1)
         do, o = dout[q0:q1].to(acc), out[q0:q1].to(acc)
-        p = torch.exp(_segment_scores(qs, ks, scale, causal) - lse[:, q0:q1].to(acc)[..., None])
+        p = torch.exp(_segment_scores(qs, ks, scale, causal, window)
+                      - lse[:, q0:q1].to(acc)[..., None])
         dv[k0:k1] = torch.einsum("hqk,qhd->khd", p, do)
         dp = torch.einsum("qhd,khd->hqk", do, vs)
         ds = p * (dp - (do * o).sum(-1).transpose(0, 1)[..., None]) * scale
@@ -338,14 +374,13 @@ def _lens(cu: torch.Tensor) -> tuple[int, ...]:
 
 
 def _fa2_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether FlashAttention-2 takes this block's q [1,H,S,D] / k, v [1,Hkv,S,D]: CUDA,
+    """Whether FlashAttention-2 takes this block's q [B,H,S,D] / k, v [B,Hkv,S,D]: CUDA,
     fp16/bf16, one head dim (a multiple of 8, at most 256), and torch's own check says so
     here (GPU arch, build, ``torch.backends.cuda.enable_flash_sdp``)."""
     from .kernels import CUDA_FLASH, _torch_accepts
 
     d = q.shape[-1]
-    if (q.device.type != "cuda" or q.shape[0] != 1 or q.dtype not in (torch.float16,
-                                                                        torch.bfloat16)
+    if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
             or v.shape[-1] != d or k.shape[-1] != d or d % 8 or d > 256):
         return False
     return _torch_accepts(CUDA_FLASH, q, k, v, False)
@@ -361,10 +396,13 @@ def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _probe_calls() -> tuple[VarlenCall, ...]:
     """A small packing's calls with every kind of segment: causal squares, full rectangles,
-    rows without keys and keys without rows."""
+    rows without keys and keys without rows, and bands of two windows (one causal, on
+    squares; one on both sides, on a piece with more keys than rows)."""
     pieces = (Piece(0, 9, 0, 9, True), Piece(12, 5, 12, 5, True), Piece(20, 70, 20, 70, True),
               Piece(12, 5, 0, 9, False), Piece(20, 70, 3, 6, False), Piece(93, 3, 40, 7, False))
-    return varlen_calls(pieces)
+    bands = (Band(0, 9, 0, 9, (3, 0)), Band(12, 5, 12, 5, (3, 0)),
+             Band(20, 40, 10, 50, (4, 2)))
+    return varlen_calls(pieces) + varlen_calls(bands)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
