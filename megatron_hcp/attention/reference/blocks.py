@@ -283,27 +283,33 @@ class BlockMask:
         return result
 
 
+def _spans(parts, start: str, size: str) -> torch.Tensor:
+    """The local tokens ``parts`` cover (``start``/``size``: the attributes of a part's rows or
+    columns), ascending, each once."""
+    covered = sorted((getattr(p, start), getattr(p, start) + getattr(p, size)) for p in parts)
+    merged: list[list[int]] = []
+    for a, b in covered:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return torch.cat([torch.arange(a, b) for a, b in merged])
+
+
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
                  halves: tuple[str, str]
                  ) -> tuple[torch.Tensor, torch.Tensor, Meta, Meta] | None:
     """The rows and columns of a windowed block that see anything (token indices on the
-    layouts' device) and their metadata, or ``None`` when the window sees none of it: read on
-    the host, once per packing (every layer and the backward reuse it; no device read per
-    block)."""
-    qh, kh = q_layout.on_host(), kv_layout.on_host()
-    rows, cols = qh.half(halves[0]), kh.half(halves[1])
-    mask = _mask(_meta(qh, rows), _meta(kh, cols), causal, window)
-    keep_rows, keep_cols = mask.any(1), mask.any(0)
-    if not bool(keep_rows.any()):
+    layouts' device) and their metadata, or ``None`` when the window sees none of it: from
+    the block's bands (:func:`~.bands.block_bands`: per pair of runs, exactly the rows and
+    columns that see anything) - no [rows, cols] mask on the host - once per packing (every
+    layer and the backward reuse it; no device read per block)."""
+    parts = block_bands(q_layout, kv_layout, halves[0], halves[1], causal, window)
+    if not parts:
         return None
-
-    def kept(sel: Selector, keep: torch.Tensor, n: int) -> torch.Tensor:
-        idx = torch.arange(n)[sel] if isinstance(sel, slice) else sel
-        return idx[keep].to(q_layout.device)
-
-    rows = kept(rows, keep_rows, q_layout.local_tokens)
-    cols = kept(cols, keep_cols, kv_layout.local_tokens)
+    rows = _spans(parts, "row", "rows").to(q_layout.device)
+    cols = _spans(parts, "col", "cols").to(kv_layout.device)
     return rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols)
 
 

@@ -141,6 +141,47 @@ def test_window_calls_compute_exactly_the_pairs_of_the_masked_block():
     assert checked > 500
 
 
+def test_window_trimming_from_bands_is_the_masks():
+    """A windowed block's trimmed rows and columns, read from its bands (no [rows, cols] mask
+    on the host), are the rows and columns its mask shows seeing anything (random packings
+    and single sequences, both layouts, grouped or not, windows of every kind)."""
+    import random
+
+    from megatron_hcp.attention.reference import blocks
+
+    rng = random.Random(2)
+    checked = 0
+    for mode, cp, padded, real, causal, group in _packings(150, seed=9):
+        for dense in (False, True):
+            if dense:
+                padded = real = (sum(padded) or 2 * cp * 4,)
+            window = (rng.choice([-1, 0, 1, 2, 5]), rng.choice([-1, 0, 1, 3]))
+            window = (2, -1) if window == (-1, -1) else window
+            for position in range(cp):
+                layout = SeqLayout(padded, real, cp, position, mode)
+                if group and layout.groupable:
+                    layout = layout.with_grouped_halves()
+                for src in range(cp):
+                    kv = layout.at(cp, src)
+                    halves = blocks._halves(layout, kv, causal)
+                    if halves is None:
+                        continue
+                    rows, cols = layout.half(halves[0]), kv.half(halves[1])
+                    mask = blocks._mask(blocks._meta(layout, rows), blocks._meta(kv, cols),
+                                        causal, window)
+                    got = blocks._window_trim(layout, kv, causal, window, halves[:2])
+                    if not bool(mask.any()):
+                        assert got is None
+                        continue
+                    n = layout.local_tokens
+                    idx_r = torch.arange(n)[rows] if isinstance(rows, slice) else rows
+                    idx_c = torch.arange(n)[cols] if isinstance(cols, slice) else cols
+                    assert torch.equal(got[0], idx_r[mask.any(1)]), (mode, cp, padded, window)
+                    assert torch.equal(got[1], idx_c[mask.any(0)]), (mode, cp, padded, window)
+                    checked += 1
+    assert checked > 300
+
+
 def test_gaps_become_segments_without_keys_or_rows():
     """Padding between two pieces: a segment of its rows without keys and one of its keys
     without rows; the call reports rows that see no key."""
