@@ -34,7 +34,7 @@ from .fused import fuses, run_fused
 from .launches import fused_region
 from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
-from .varlen import VarlenCall, varlen_calls
+from .varlen import VarlenCall, kernel_calls, varlen_calls
 
 __all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
            "record_block", "record_kernel", "record_mask", "record_merge", "take"]
@@ -327,12 +327,25 @@ def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, wh
     return blocks, varlen_calls(pieces), sum(p.rows * p.cols for p in pieces)
 
 
+def _launches(pieces: tuple, calls: tuple[VarlenCall, ...],
+              varlen: bool | tuple[int, int] | None) -> int:
+    """The kernel calls a block in ``pieces`` makes: its varlen ``calls`` as FA2 runs them for
+    ``varlen``'s (heads, head dim) - as planned where ``varlen`` is ``True`` - else one a
+    piece (also where FA2 cannot take a segment)."""
+    if varlen is True:
+        return len(calls)
+    parts = kernel_calls(calls, *varlen) if varlen else None
+    return len(pieces) if parts is None else len(parts)
+
+
 def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
-               window: Window = None, *, varlen: bool = False) -> Block | None:
+               window: Window = None, *, varlen: bool | tuple[int, int] | None = None
+               ) -> Block | None:
     """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
     ``None`` when ``window`` leaves no visible pair in it. Index tensors and the mask are on
-    the layouts' device. ``varlen``: a packed block in pieces will run as its varlen calls
-    (:mod:`.varlen`), so splitting costs their launches, not one per piece; a windowed block
+    the layouts' device. ``varlen`` (q's heads and head dim, or ``True``: as planned): a
+    packed block in pieces will run as its varlen calls (:mod:`.varlen`), so splitting costs
+    the calls FA2 runs (:func:`~.varlen.kernel_calls`), not one per piece; a windowed block
     gets the varlen calls of its bands (:mod:`.bands`) besides its mask."""
     halves = _halves(q_layout, kv_layout, causal)
     if halves is None:
@@ -347,7 +360,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
             split_into = _piece_blocks(q_layout, kv_layout, which_rows, which_cols, causal)
             if split_into is not None:
                 pieces, calls, pairs = split_into
-                launches = len(calls) if varlen else len(pieces)
+                launches = _launches(pieces, calls, varlen)
                 if worth_splitting(pairs, launches, _size(rows, q_layout.local_tokens),
                                    _size(cols, kv_layout.local_tokens), split):
                     return Block(rows, cols, False, None, pieces, calls)

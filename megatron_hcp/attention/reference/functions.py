@@ -76,7 +76,7 @@ def _add_bias_grad(dbias, grad, where) -> None:
         dbias.index_add_(2, rows.to(grad.device), by_col.to(dbias.dtype))
 
 
-def _calls(block: Block, q: torch.Tensor, varlen: bool):
+def _calls(block: Block, q: torch.Tensor, varlen: object):
     """The varlen calls a block runs as (:func:`~.varlen.kernel_calls` for q's heads and head
     dim), or ``None``: not ``varlen``, no calls planned, or a segment FA2 cannot take (the
     block then runs its pieces one call each, or its mask)."""
@@ -85,7 +85,7 @@ def _calls(block: Block, q: torch.Tensor, varlen: bool):
     return kernel_calls(block.calls, q.shape[1], q.shape[-1])
 
 
-def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, varlen=False):
+def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, varlen=None):
     """One block's attention merged into ``out``/``lse`` (``first``: nothing merged yet;
     ``varlen``: a block in pieces runs as its varlen calls, :func:`_varlen`)."""
     calls = _calls(block, q, varlen and bias is None)
@@ -119,7 +119,7 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, v
 
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None, *,
-                    varlen=False):
+                    varlen=None):
     calls = _calls(block, q, varlen and bias is None)
     if calls is not None:  # its varlen calls (FA2 takes no bias: those blocks keep theirs)
         for call in calls:
@@ -185,11 +185,14 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
-            window: Window) -> bool:
-    """Whether this call's packed blocks in pieces and windowed blocks run as varlen calls
-    (:func:`~.varlen.varlen_takes`; a dense layout without a window has neither). Planned once
-    per forward and saved for its backward."""
-    return (not layout.is_dense or window is not None) and varlen_takes(q, k, v)
+            window: Window) -> tuple[int, int] | None:
+    """q's (heads, head dim) where this call's packed blocks in pieces and windowed blocks
+    run as varlen calls (:func:`~.varlen.varlen_takes`; a dense layout without a window has
+    neither), else ``None``: :func:`~.blocks.plan_block`'s ``varlen``. Planned once per
+    forward and saved for its backward."""
+    if (not layout.is_dense or window is not None) and varlen_takes(q, k, v):
+        return q.shape[1], q.shape[-1]
+    return None
 
 
 def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
@@ -311,7 +314,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool,
-                   varlen: bool = False) -> list[tuple[list[int], Block]]:
+                   varlen: tuple[int, int] | None = None) -> list[tuple[list[int], Block]]:
     """Sources of an all-gather grouped by identical block shape.
 
     With one dense sequence every past source meets all queries on its first half and every
@@ -357,7 +360,7 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def _ordered(layout: SeqLayout, causal: bool, window: Window, record: bool = False,
-                 varlen: bool = False):
+                 varlen: tuple[int, int] | None = None):
         """Source groups, this rank's own first (it needs no gathered data)."""
         groups = _source_groups(layout, causal, window, record, varlen)
         return sorted(groups, key=lambda g: g[0] != [layout.position])

@@ -272,23 +272,37 @@ def _row_chunks(rows: int, cols: int) -> list[slice] | None:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _chunks_for(kernel: str, rows: int, mask: torch.Tensor | BlockMask | None
+                ) -> list[slice] | None:
+    """The row chunks a block runs in on ``kernel`` (:func:`_row_chunks`: the efficient
+    kernel's masked blocks only), or ``None``."""
+    if kernel != CUDA_EFFICIENT or mask is None:
+        return None
+    return _row_chunks(rows, mask.shape[1])
+
+
+def _mask_rows(mask: torch.Tensor | BlockMask, rows: slice, causal: bool
+               ) -> torch.Tensor | BlockMask:
+    """The mask of the query ``rows`` only, a causal flag folded in (its diagonal offset by
+    the rows' start: a chunk's diagonal is not its own)."""
+    part = mask.query_rows(rows) if isinstance(mask, BlockMask) else mask[rows]
+    if not causal:
+        return part
+    part = part.dense() if isinstance(part, BlockMask) else part
+    return part & torch.ones_like(part).tril(rows.start)
+
+
 def _in_row_chunks(run, q, mask: torch.Tensor | BlockMask, causal: bool,
                    chunks: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
     """``run(q rows, their mask)`` per chunk of rows, outputs and LSEs concatenated (rows
-    are independent); a causal flag folds into the mask first (a chunk's diagonal is not
-    its own)."""
-    if causal:
-        mask = mask.dense() if isinstance(mask, BlockMask) else mask
-        mask = mask & torch.ones_like(mask).tril()
-    parts = [run(q[:, :, rows], mask.query_rows(rows) if isinstance(mask, BlockMask)
-                 else mask[rows]) for rows in chunks]
+    are independent)."""
+    parts = [run(q[:, :, rows], _mask_rows(mask, rows, causal)) for rows in chunks]
     return torch.cat([out for out, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
 
 
 def _fused_forward(kernel: str, q, k, v, scale: float, causal: bool,
                    mask: torch.Tensor | BlockMask | None = None):
-    if kernel == CUDA_EFFICIENT and mask is not None and (
-            chunks := _row_chunks(q.shape[2], mask.shape[1])):
+    if chunks := _chunks_for(kernel, q.shape[2], mask):
         return _in_row_chunks(
             lambda rows, part: _fused_forward(kernel, rows, k, v, scale, False, part),
             q, mask, causal, chunks)

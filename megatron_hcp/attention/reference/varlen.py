@@ -22,12 +22,15 @@ to 256 - and the kernel matched :func:`reference_forward` / :func:`reference_bac
 small packing once per process, dtype and GPU; otherwise the pieces one by one, with one
 warning where the check failed), ``on`` (wherever FlashAttention-2 takes the block, without
 the check), ``off`` (the pieces one by one). No CPU kernel takes segments: on the CPU the
-pieces always run one by one. The backward takes either way with the same result (it works
-from the merged output and LSE), so the two passes need not agree.
+pieces always run one by one. Not while a CUDA graph is captured (the calls' offsets are
+built on the device once per packing, from the host). The backward plans as its forward did
+(the choice is saved with it), though either way gives the same result: it works from the
+merged output and LSE.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from functools import lru_cache
 from typing import NamedTuple
@@ -157,8 +160,10 @@ def varlen_calls(pieces: tuple[Piece | Band, ...]) -> tuple[VarlenCall, ...]:
 
 
 # FA2's varlen backward accumulates dq in an fp32 buffer of (rows + 128 per segment) x heads x
-# head dim (rounded up), addressed with 32-bit offsets (flash_bwd_kernel.h, as torch builds
-# it); its grid takes at most 65535 segments (gridDim.y). Calls past either run in parts.
+# head dim (rounded up), whose row offsets it computes in 32 bits (flash_bwd_kernel.h, as
+# torch builds it: the offset of a segment's rows, a bound this keeps the whole buffer within,
+# which is safe); its grid takes at most 65535 segments (gridDim.y). Calls past either run in
+# parts.
 _DQ_ACCUM_ELEMENTS = 2**31
 _MAX_SEGMENTS = 65535
 
@@ -194,14 +199,23 @@ def kernel_calls(calls: tuple[VarlenCall, ...], heads: int, head_dim: int
             rows += q
             count += 1
         parts.append(_part(call, first, len(call.q_lens), row, col))
-    return tuple(parts)
+    return tuple(part for part in parts if part is not None)
 
 
-def _part(call: VarlenCall, first: int, stop: int, row: int, col: int) -> VarlenCall:
-    """Segments ``first:stop`` of ``call``, starting at local row ``row`` and column ``col``."""
-    q_lens, k_lens = call.q_lens[first:stop], call.k_lens[first:stop]
-    return VarlenCall(row, sum(q_lens), col, sum(k_lens), q_lens, k_lens, call.causal,
-                      call.window)
+def _part(call: VarlenCall, first: int, stop: int, row: int, col: int) -> VarlenCall | None:
+    """Segments ``first:stop`` of ``call``, starting at local row ``row`` and column ``col``,
+    without the segments of rows without keys or keys without rows it starts or ends with
+    (they compute nothing, and give nothing to merge); ``None`` where nothing is left."""
+    q_lens, k_lens = list(call.q_lens[first:stop]), list(call.k_lens[first:stop])
+    while q_lens and not (q_lens[0] and k_lens[0]):
+        row, col = row + q_lens.pop(0), col + k_lens.pop(0)
+    while q_lens and not (q_lens[-1] and k_lens[-1]):
+        q_lens.pop()
+        k_lens.pop()
+    if not q_lens:
+        return None
+    return VarlenCall(row, sum(q_lens), col, sum(k_lens), tuple(q_lens), tuple(k_lens),
+                      call.causal, call.window)
 
 
 @lru_cache(maxsize=256)
@@ -277,12 +291,11 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     device = q.device
     cu_q, cu_k = _cumulative(call.q_lens, device), _cumulative(call.k_lens, device)
     rows, cols = call.row_span, call.col_span
-    dout, out = dout.to(q.dtype), out.to(q.dtype)
     grads = []
     for b in range(q.shape[0]):
         grads.append((kernel or _flash_backward)(
-            _segments(dout, rows, b), _segments(q, rows, b), _segments(k, cols, b),
-            _segments(v, cols, b), _segments(out, rows, b),
+            _segments(dout, rows, b).to(q.dtype), _segments(q, rows, b),
+            _segments(k, cols, b), _segments(v, cols, b), _segments(out, rows, b).to(q.dtype),
             lse[b, :, rows].to(_lse_dtype(q.dtype)).contiguous(), cu_q, cu_k,
             _longest(call.q_lens), _longest(call.k_lens), call.causal, scale, call.window))
     return tuple(torch.stack([g.transpose(0, 1) for g in per_batch])
@@ -363,8 +376,8 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
         dq[q0:q1] = torch.einsum("hqk,khd->qhd", ds, ke)
         dk[k0:k1] = torch.einsum("hqk,qhd->khd", ds, qs)
     group = heads // kv_heads
-    dk = dk.view(k.shape[0], kv_heads, group, -1).sum(2)
-    dv = dv.view(v.shape[0], kv_heads, group, -1).sum(2)
+    dk = dk.view(k.shape[0], kv_heads, group, k.shape[-1]).sum(2)
+    dv = dv.view(v.shape[0], kv_heads, group, v.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
@@ -389,7 +402,7 @@ def _fa2_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a block in pieces of these tensors runs as varlen calls (module docstring)."""
     mode = varlen_mode()
-    if mode == "off" or not _fa2_takes(q, k, v):
+    if mode == "off" or not _fa2_takes(q, k, v) or _capturing():
         return False
     return mode == "on" or kernel_matches_reference(q.device, q.dtype)
 
@@ -419,6 +432,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 # kernel_matches_reference's answers, per (device, dtype): a cache, as lru_cache's would be,
 # which a CUDA graph capture can leave unasked
 _MATCHED: dict[tuple[torch.device, torch.dtype], bool] = {}
+_CHECKING = threading.Lock()
 
 
 def kernel_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
@@ -428,11 +442,12 @@ def kernel_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
     each. Not checked while a CUDA graph is captured (the check allocates and copies from the
     host): ``False`` there, the pieces one call each, and asked again after the capture."""
     key = (device, dtype)
-    if key not in _MATCHED:
-        if _capturing():
-            return False
-        _MATCHED[key] = _check_kernel(device, dtype)
-    return _MATCHED[key]
+    with _CHECKING:  # rank threads of one process: one check, one warning
+        if key not in _MATCHED:
+            if _capturing():
+                return False
+            _MATCHED[key] = _check_kernel(device, dtype)
+        return _MATCHED[key]
 
 
 def forget_kernel_checks() -> None:
@@ -441,7 +456,13 @@ def forget_kernel_checks() -> None:
 
 
 def _check_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """:func:`kernel_matches_reference`, asked."""
+    """:func:`kernel_matches_reference`, asked (autocast off: the reference computes in fp32
+    whatever region the first forward runs in)."""
+    with torch.autocast(device.type, enabled=False):
+        return _compare_with_reference(device, dtype)
+
+
+def _compare_with_reference(device: torch.device, dtype: torch.dtype) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = cols = 96
     q, dout = (torch.randn(1, 4, rows, 64, generator=gen).to(device, dtype) for _ in "qo")
@@ -451,7 +472,7 @@ def _check_kernel(device: torch.device, dtype: torch.dtype) -> bool:
             got = varlen_forward(q, k, v, call, 0.125)
             want = varlen_forward(q, k, v, call, 0.125, reference_forward)
             out = torch.zeros_like(q)  # the call's rows as the final output and LSE
-            lse = torch.full(q.shape[:3], float("-inf"), device=device)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=device)
             out[:, :, call.row_span], lse[:, :, call.row_span] = got
             back = (dout, q, k, v, out, lse, call, 0.125)
             got_back = varlen_backward(*back)

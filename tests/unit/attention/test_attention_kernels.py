@@ -529,6 +529,11 @@ def test_huge_masked_blocks_run_in_row_chunks_where_torch_addresses_32_bits(monk
     monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", 32 * 20)  # 20 rows of 32 (cols 17..32)
     assert kernels._row_chunks(19, 20) is None
     assert kernels._row_chunks(50, 20) == [slice(0, 20), slice(20, 40), slice(40, 50)]
+    mask = torch.ones(50, 20, dtype=torch.bool)
+    assert len(kernels._chunks_for(CUDA_EFFICIENT, 50, mask)) == 3  # only that kernel, masked
+    assert kernels._chunks_for(CUDA_FLASH, 50, mask) is None
+    assert kernels._chunks_for(CPU_FLASH, 50, mask) is None
+    assert kernels._chunks_for(CUDA_EFFICIENT, 50, None) is None
     monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", None)  # torch >= 2.13: whole
     assert kernels._row_chunks(10**6, 10**6) is None
     monkeypatch.setattr(kernels, "_BIAS_ELEMENTS", 32 * 7)

@@ -194,7 +194,15 @@ def test_gaps_become_segments_without_keys_or_rows():
     assert dense.q_lens == (3, 2) and not dense.empty_rows
 
 
-def test_calls_run_in_parts_within_fa2s_limits(monkeypatch):
+@pytest.fixture
+def fresh_parts():
+    """kernel_calls' cache empty before and after (a test changes FA2's limits)."""
+    varlen_module.kernel_calls.cache_clear()
+    yield
+    varlen_module.kernel_calls.cache_clear()
+
+
+def test_calls_run_in_parts_within_fa2s_limits(monkeypatch, fresh_parts):
     """A call whose dq buffer (rows + 128 a segment, times heads x rounded head dim) would
     pass 32-bit offsets, or whose segments pass the grid's limit, runs in parts cut at
     segment boundaries that compute the same pairs; a segment too large alone: no calls."""
@@ -220,34 +228,61 @@ def test_calls_run_in_parts_within_fa2s_limits(monkeypatch):
     monkeypatch.setattr(varlen_module, "_DQ_ACCUM_ELEMENTS", (4 + 128) * 2 * 32)
     varlen_module.kernel_calls.cache_clear()
     assert varlen_module.kernel_calls(block.calls, 2, 8) is None  # an 8-row segment alone
-    varlen_module.kernel_calls.cache_clear()
 
 
-def test_attention_through_parts_of_calls(monkeypatch):
+def test_parts_without_a_segment_that_computes_are_dropped(monkeypatch, fresh_parts):
+    """Cutting a call next to its gaps leaves parts of gaps only, which compute nothing: they
+    are dropped, and the parts start and end with segments that compute (no launch, no
+    empty tensors for FA2)."""
+    from megatron_hcp.attention.reference.pieces import Piece
+
+    (call,) = varlen_calls((Piece(0, 4, 0, 4, True), Piece(10, 40, 10, 40, True)))
+    assert call.q_lens == (4, 6, 0, 40) and call.k_lens == (4, 0, 6, 40)
+    monkeypatch.setattr(varlen_module, "_DQ_ACCUM_ELEMENTS", (40 + 128) * 32 + 1)
+    parts = varlen_module.kernel_calls((call,), 1, 32)
+    assert parts == (VarlenCall(0, 4, 0, 4, (4,), (4,), True),
+                     VarlenCall(10, 40, 10, 40, (40,), (40,), True)), parts
+
+
+def test_the_split_rule_counts_the_calls_fa2_runs(monkeypatch, fresh_parts):
+    """``auto`` prices a split block at the calls FA2 runs for q's heads and head dim: its
+    parts, or every piece where a segment is too large for a call."""
+    from megatron_hcp.attention.reference import blocks
+
+    short = SeqLayout((128,) * 256, (120,) * 256, 4, 1).with_grouped_halves()
+    with splitting("auto"):
+        assert plan_block(short, short, True, varlen=(16, 128)).pieces is not None
+        monkeypatch.setattr(varlen_module, "_DQ_ACCUM_ELEMENTS", 100 * 16 * 128)
+        varlen_module.kernel_calls.cache_clear()
+        # every 16-row segment alone is past the limit: one call a piece, so masked
+        assert varlen_module.kernel_calls(
+            plan_block(short, short, True, varlen=True).calls, 16, 128) is None
+        assert plan_block(short, short, True, varlen=(16, 128)).pieces is None
+    assert blocks._launches((1, 2, 3), ("a",), True) == 1
+    assert blocks._launches((1, 2, 3), ("a",), None) == 3
+
+
+def test_attention_through_parts_of_calls(monkeypatch, fresh_parts):
     """Packed attention whose calls run in parts of two segments (the reference in the
     kernel's place) gives the pieces' output and gradients (fp64, GQA, padding)."""
     monkeypatch.setattr(varlen_module, "_fa2_takes", lambda q, k, v: True)
     monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
     monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
     monkeypatch.setattr(varlen_module, "_MAX_SEGMENTS", 2)
-    varlen_module.kernel_calls.cache_clear()
     gen = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 5, 11, 11, 20, 27], dtype=torch.int32)
     pad = torch.tensor([0, 6, 12, 14, 24, 32], dtype=torch.int32)
     q, dout = (torch.randn(32, 4, 8, generator=gen, dtype=torch.float64) for _ in "qo")
     k, v = (torch.randn(32, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
     results = {}
-    try:
-        for mode in ("on", "off"):
-            ins = [x.clone().requires_grad_() for x in (q, k, v)]
-            with BlockCounter() as counter, splitting("on"), varlening(mode):
-                out = local_attention(*ins, qkv_format="thd", cu_seqlens_q=cu,
-                                      cu_seqlens_q_padded=pad)
-                out.backward(dout)
-            results[mode] = (out, *(x.grad for x in ins))
-            assert (counter.kernels[(VARLEN_KERNEL, "")] >= 3) == (mode == "on"), counter
-    finally:
-        varlen_module.kernel_calls.cache_clear()
+    for mode in ("on", "off"):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        with BlockCounter() as counter, splitting("on"), varlening(mode):
+            out = local_attention(*ins, qkv_format="thd", cu_seqlens_q=cu,
+                                  cu_seqlens_q_padded=pad)
+            out.backward(dout)
+        results[mode] = (out, *(x.grad for x in ins))
+        assert (counter.kernels[(VARLEN_KERNEL, "")] >= 3) == (mode == "on"), counter
     for got, want in zip(results["on"], results["off"]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
@@ -334,8 +369,14 @@ def test_the_check_accepts_the_reference_and_refuses_another_kernel(monkeypatch)
 
 
 def test_no_check_while_a_cuda_graph_is_captured(monkeypatch):
-    """While a CUDA graph is captured the check (allocations, a copy from the host) is not
-    made: the pieces one call each, and the question asked again after the capture."""
+    """While a CUDA graph is captured neither the check (allocations, a copy from the host)
+    is made nor the calls run (their offsets are copied from the host once per packing): the
+    pieces one call each, and the question asked again after the capture."""
+    monkeypatch.setattr(varlen_module, "_fa2_takes", lambda q, k, v: True)
+    monkeypatch.setattr(varlen_module, "_capturing", lambda: True)
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    with varlening("on"):
+        assert not varlen_takes(q, q, q)
     monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
     monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
     forget_kernel_checks()
