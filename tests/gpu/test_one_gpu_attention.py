@@ -270,6 +270,11 @@ def test_grouped_kv_reach_the_cuda_flash_kernel_unexpanded(report):
     assert errors[0] <= 1e-2 and errors[1] <= 1e-3 and max(errors[2:]) <= 5e-2, errors
 
 
+def _worst(results) -> float:
+    """The largest error of every case and tensor over the ranks' results."""
+    return max(max(errors.values()) for per_rank, *_ in results for errors in per_rank)
+
+
 def _in_pieces(cases, split, device, varlen="off"):
     from megatron_hcp.attention.reference.pieces import splitting
     from megatron_hcp.attention.reference.varlen import varlening
@@ -328,7 +333,6 @@ def test_packed_blocks_as_varlen_calls_on_cuda(gpu_threads, report, comm):
     bf16 and fp16 every block takes the varlen kernel, as accurate
     against the fp64 oracle as the pieces one call each (within twice their error + 1e-2);
     fp32 / fp64 cases (no FA2) run their pieces and pass at the usual tolerances."""
-    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
     from tests.unit.attention.test_cp_attention import HEADS, matrix_cases
 
     cases = matrix_cases(comm, "thd")
@@ -336,26 +340,23 @@ def test_packed_blocks_as_varlen_calls_on_cuda(gpu_threads, report, comm):
     assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
     half = [(comm, "thd", causal, HEADS[h], 4, dtype, 3) for causal in (True, False)
             for h in ("gqa", "mha") for dtype in (torch.bfloat16, torch.float16)]
-    calls = gpu_threads.run(_in_pieces, half, "on", "cuda", "on")
-    pieces = gpu_threads.run(_in_pieces, half, "on", "cuda", "off")
+    _as_calls_against(gpu_threads, report, half, "pieces one call each")
 
-    def worst(results):
-        return max(max(errors[i].values()) for errors, _, _ in results
-                   for i in range(len(half)))
 
+def _as_calls_against(gpu_threads, report, cases, before: str) -> None:
+    """Half-precision ``cases`` with their blocks as varlen calls (MEGATRON_HCP_VARLEN=on)
+    take only the varlen kernel, build no mask, and are as accurate against the fp64 oracle
+    as without the calls (``before``: within twice that error + 1e-2)."""
+    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+
+    calls = gpu_threads.run(_in_pieces, cases, "on", "cuda", "on")
+    without = gpu_threads.run(_in_pieces, cases, "on", "cuda", "off")
     kernels = {k for _, kernels, _ in calls for (k, _why) in kernels}
     report(1, f"half precision as varlen calls: kernels {sorted(kernels)}, max error "
-              f"{worst(calls):.1e} (pieces one call each: {worst(pieces):.1e})")
+              f"{_worst(calls):.1e} ({before}: {_worst(without):.1e})")
     assert kernels == {VARLEN_KERNEL}, kernels
-    assert worst(calls) <= 2 * worst(pieces) + 1e-2
-
-
-def _windows_as(cases, varlen, device):
-    from megatron_hcp.attention.reference.varlen import varlening
-
-    with BlockCounter() as counter, varlening(varlen):  # in this rank thread
-        errors = run_cases(cases, device)
-    return errors, dict(counter.kernels), sum(counter.masks.values())
+    assert not any(masks for *_, masks in calls)
+    assert _worst(calls) <= 2 * _worst(without) + 1e-2
 
 
 @pytest.mark.parametrize("comm", COMMS)
@@ -364,7 +365,6 @@ def test_windows_in_fa2s_own_window_on_cuda(gpu_threads, report, comm):
     every windowed block as the varlen calls of its bands (bands.py: FA2's own window,
     MEGATRON_HCP_VARLEN=on): only the varlen kernel runs, no mask is built, and the error
     against the fp64 oracle is within twice the masked blocks' (efficient kernel) + 1e-2."""
-    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
     from tests.unit.attention.test_cp_attention import HEADS, WINDOWS
 
     half = [(comm, fmt, causal, HEADS["gqa"], 4, dtype, seed, None,
@@ -372,16 +372,4 @@ def test_windows_in_fa2s_own_window_on_cuda(gpu_threads, report, comm):
             for seed, (fmt, causal, dtype) in enumerate(
                 (f, c, d) for f in ("bshd", "thd") for c in (True, False)
                 for d in (torch.bfloat16, torch.float16))]
-    calls = gpu_threads.run(_windows_as, half, "on", "cuda")
-    masked = gpu_threads.run(_windows_as, half, "off", "cuda")
-
-    def worst(results):
-        return max(max(errors[i].values()) for errors, _, _ in results
-                   for i in range(len(half)))
-
-    kernels = {k for _, kernels, _ in calls for (k, _why) in kernels}
-    report(1, f"half-precision windows as varlen calls: kernels {sorted(kernels)}, max error "
-              f"{worst(calls):.1e} (masked blocks: {worst(masked):.1e})")
-    assert kernels == {VARLEN_KERNEL}, kernels
-    assert not any(masks for *_, masks in calls)
-    assert worst(calls) <= 2 * worst(masked) + 1e-2
+    _as_calls_against(gpu_threads, report, half, "masked blocks")

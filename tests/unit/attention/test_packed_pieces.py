@@ -65,31 +65,42 @@ def _packings(trials: int, seed: int = 0):
             yield mode, cp, padded, real, rng.random() < 0.7, rng.random() < 0.7
 
 
+def layout_pairs(packings, dense: bool = False):
+    """(layout, the layout of a source position, causal, what to report) of every position
+    and source of ``packings`` (:func:`_packings`), halves grouped where drawn; ``dense``:
+    also the packing's tokens as one unpadded sequence."""
+    for mode, cp, padded, real, causal, group in packings:
+        whole = (sum(padded) or 8 * cp,)
+        for lengths in ((padded, real), (whole, whole)) if dense else ((padded, real),):
+            for position in range(cp):
+                layout = SeqLayout(*lengths, cp, position, mode)
+                if layout.is_dense and not dense:
+                    continue
+                if group and layout.groupable:
+                    layout = layout.with_grouped_halves()
+                for src in range(cp):
+                    yield layout, layout.at(cp, src), causal, (mode, cp, *lengths, causal,
+                                                                position, src)
+
+
 def test_pieces_cover_exactly_the_pairs_of_the_masked_block():
     """Every block of every position of about 270 random packings (300 drawn): the dense
     pieces (each a full rectangle or one chunk's causal square of real tokens) see each
     visible pair of the masked block once and no other pair."""
     checked = 0
-    for mode, cp, padded, real, causal, group in _packings(300):
-        for position in range(cp):
-            layout = SeqLayout(padded, real, cp, position, mode)
-            if layout.is_dense:
-                continue
-            layout = layout.with_grouped_halves() if group and layout.groupable else layout
-            for src in range(cp):
-                with splitting("off"):
-                    masked = plan_block(layout, layout.at(cp, src), causal)
-                with splitting("on"):
-                    pieces = plan_block(layout, layout.at(cp, src), causal)
-                if masked is None:
-                    assert pieces is None
-                    continue
-                assert masked.pieces is None and pieces.pieces is not None
-                assert all(p.mask is None and p.pieces is None for p in pieces.pieces)
-                n = layout.local_tokens
-                assert torch.equal(_pairs(pieces, n), _pairs(masked, n)), (
-                    mode, cp, padded, real, causal, position, src, layout.grouped)
-                checked += 1
+    for layout, kv, causal, where in layout_pairs(_packings(300)):
+        with splitting("off"):
+            masked = plan_block(layout, kv, causal)
+        with splitting("on"):
+            pieces = plan_block(layout, kv, causal)
+        if masked is None:
+            assert pieces is None
+            continue
+        assert masked.pieces is None and pieces.pieces is not None
+        assert all(p.mask is None and p.pieces is None for p in pieces.pieces)
+        n = layout.local_tokens
+        assert torch.equal(_pairs(pieces, n), _pairs(masked, n)), (where, layout.grouped)
+        checked += 1
     assert checked > 1000
 
 

@@ -47,7 +47,7 @@ from tests.unit.attention.test_cp_attention import (
     runnable_in,
     window_cases,
 )
-from tests.unit.attention.test_packed_pieces import _packings, _pairs
+from tests.unit.attention.test_packed_pieces import _packings, _pairs, layout_pairs
 
 
 def _segment_mask(q: int, k: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
@@ -81,29 +81,32 @@ def test_calls_compute_exactly_the_pairs_of_the_pieces():
     once and no other; causal segments are squares; at most two calls a causal block, three a
     full one."""
     checked = 0
-    for mode, cp, padded, real, causal, group in _packings(300):
-        for position in range(cp):
-            layout = SeqLayout(padded, real, cp, position, mode)
-            if layout.is_dense:
-                continue
-            layout = layout.with_grouped_halves() if group and layout.groupable else layout
-            for src in range(cp):
-                with splitting("on"):
-                    block = plan_block(layout, layout.at(cp, src), causal)
-                if block is None or not block.pieces:
-                    continue
-                n = layout.local_tokens
-                seen = sum(_call_pairs(call, n) for call in block.calls)
-                assert torch.equal(seen, _pairs(block, n)), (mode, cp, padded, real, causal)
-                # causal: a sequence's pairs of runs are one chain (diagonal squares) and one
-                # (keys before queries); full: its four pairs of halves three chains
-                assert len(block.calls) <= (2 if causal else 3), (mode, cp, padded, real,
-                                                                  causal, block.calls)
-                for call in block.calls:
-                    assert all(q == k for q, k in zip(call.q_lens, call.k_lens)
-                               if q and k and call.causal)
-                checked += 1
+    for layout, kv, causal, where in layout_pairs(_packings(300)):
+        with splitting("on"):
+            block = plan_block(layout, kv, causal)
+        if block is None or not block.pieces:
+            continue
+        n = layout.local_tokens
+        seen = sum(_call_pairs(call, n) for call in block.calls)
+        assert torch.equal(seen, _pairs(block, n)), where
+        # causal: a sequence's pairs of runs are one chain (diagonal squares) and one (keys
+        # before queries); full: its four pairs of halves three chains
+        assert len(block.calls) <= (2 if causal else 3), (where, block.calls)
+        for call in block.calls:
+            assert all(q == k for q, k in zip(call.q_lens, call.k_lens)
+                       if q and k and call.causal)
+        checked += 1
     assert checked > 500
+
+
+def _windows(seed: int):
+    """A window per call: bounded on either side or both (never unbounded on both)."""
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        window = (rng.choice([-1, 0, 1, 2, 5, 9]), rng.choice([-1, 0, 1, 3, 7]))
+        yield (3, -1) if window == (-1, -1) else window
 
 
 def test_window_calls_compute_exactly_the_pairs_of_the_masked_block():
@@ -112,32 +115,17 @@ def test_window_calls_compute_exactly_the_pairs_of_the_masked_block():
     varlen calls of its bands (FA2's own window, aligned bottom-right) compute each visible
     pair of the masked block once and no other; a block takes at most four calls (one per
     pair of its halves' chunks)."""
-    import random
-
-    rng = random.Random(1)
     checked = 0
-    for mode, cp, padded, real, causal, group in _packings(200, seed=5):
-        for dense in (False, True):
-            if dense:
-                padded = real = (sum(padded) or 2 * cp * 4,)
-            window = (rng.choice([-1, 0, 1, 2, 5, 9]), rng.choice([-1, 0, 1, 3, 7]))
-            if window == (-1, -1):
-                window = (3, -1)
-            for position in range(cp):
-                layout = SeqLayout(padded, real, cp, position, mode)
-                if group and layout.groupable:
-                    layout = layout.with_grouped_halves()
-                for src in range(cp):
-                    block = plan_block(layout, layout.at(cp, src), causal, window, varlen=True)
-                    if block is None:
-                        continue
-                    n = layout.local_tokens
-                    seen = sum((_call_pairs(c, n) for c in block.calls),
-                               torch.zeros(n, n, dtype=torch.int))
-                    assert torch.equal(seen, _pairs(block, n)), (
-                        mode, cp, padded, real, causal, window, position, src)
-                    assert len(block.calls) <= 4, block.calls
-                    checked += 1
+    for (layout, kv, causal, where), window in zip(
+            layout_pairs(_packings(200, seed=5), dense=True), _windows(1)):
+        block = plan_block(layout, kv, causal, window, varlen=True)
+        if block is None:
+            continue
+        n = layout.local_tokens
+        seen = sum((_call_pairs(c, n) for c in block.calls), torch.zeros(n, n, dtype=torch.int))
+        assert torch.equal(seen, _pairs(block, n)), (where, window)
+        assert len(block.calls) <= 4, block.calls
+        checked += 1
     assert checked > 500
 
 
@@ -145,40 +133,26 @@ def test_window_trimming_from_bands_is_the_masks():
     """A windowed block's trimmed rows and columns, read from its bands (no [rows, cols] mask
     on the host), are the rows and columns its mask shows seeing anything (random packings
     and single sequences, both layouts, grouped or not, windows of every kind)."""
-    import random
-
     from megatron_hcp.attention.reference import blocks
 
-    rng = random.Random(2)
     checked = 0
-    for mode, cp, padded, real, causal, group in _packings(150, seed=9):
-        for dense in (False, True):
-            if dense:
-                padded = real = (sum(padded) or 2 * cp * 4,)
-            window = (rng.choice([-1, 0, 1, 2, 5]), rng.choice([-1, 0, 1, 3]))
-            window = (2, -1) if window == (-1, -1) else window
-            for position in range(cp):
-                layout = SeqLayout(padded, real, cp, position, mode)
-                if group and layout.groupable:
-                    layout = layout.with_grouped_halves()
-                for src in range(cp):
-                    kv = layout.at(cp, src)
-                    halves = blocks._halves(layout, kv, causal)
-                    if halves is None:
-                        continue
-                    rows, cols = layout.half(halves[0]), kv.half(halves[1])
-                    mask = blocks._mask(blocks._meta(layout, rows), blocks._meta(kv, cols),
-                                        causal, window)
-                    got = blocks._window_trim(layout, kv, causal, window, halves[:2])
-                    if not bool(mask.any()):
-                        assert got is None
-                        continue
-                    n = layout.local_tokens
-                    idx_r = torch.arange(n)[rows] if isinstance(rows, slice) else rows
-                    idx_c = torch.arange(n)[cols] if isinstance(cols, slice) else cols
-                    assert torch.equal(got[0], idx_r[mask.any(1)]), (mode, cp, padded, window)
-                    assert torch.equal(got[1], idx_c[mask.any(0)]), (mode, cp, padded, window)
-                    checked += 1
+    for (layout, kv, causal, where), window in zip(
+            layout_pairs(_packings(150, seed=9), dense=True), _windows(2)):
+        halves = blocks._halves(layout, kv, causal)
+        if halves is None:
+            continue
+        rows, cols = layout.half(halves[0]), kv.half(halves[1])
+        mask = blocks._mask(blocks._meta(layout, rows), blocks._meta(kv, cols), causal, window)
+        got = blocks._window_trim(layout, kv, causal, window, halves[:2])
+        if not bool(mask.any()):
+            assert got is None
+            continue
+        n = layout.local_tokens
+        idx_r = torch.arange(n)[rows] if isinstance(rows, slice) else rows
+        idx_c = torch.arange(n)[cols] if isinstance(cols, slice) else cols
+        assert torch.equal(got[0], idx_r[mask.any(1)]), (where, window)
+        assert torch.equal(got[1], idx_c[mask.any(0)]), (where, window)
+        checked += 1
     assert checked > 300
 
 
@@ -423,32 +397,43 @@ def threads():
         yield world
 
 
-def _varlen_cases(cases):
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """FA2's varlen kernel replaced by the reference (SDPA per segment, checked above),
+    taking every block with one head dim (MLA head dims: not taken, as by FA2)."""
+    monkeypatch.setattr(varlen_module, "_fa2_takes",
+                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
+    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
+    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
+
+
+def _through_calls(cases):
     with BlockCounter() as counter, splitting("on"), varlening("on"):  # in this rank thread
         errors = run_cases(cases)
     return errors, counter.masks, counter.kernels
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("comm", COMMS)
-def test_oracle_thd_cases_through_varlen_calls(threads, monkeypatch, comm, mode):
-    """CP attention on packed sequences with every block in pieces run as varlen calls - the
-    reference (SDPA per segment, checked above) in the kernel's place, taking every block
-    with one head dim - against the single-process oracle (fp64 1e-10, fp32 1e-5): causal /
-    full, MHA / GQA / KV replication, CP 2 / 4, a softmax offset; MLA head dims (which FA2
-    does not take) run their pieces one call each; no mask is built."""
-    monkeypatch.setattr(varlen_module, "_fa2_takes",
-                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
-    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
-    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
-    cases = [case for case in (*matrix_cases(comm, "thd", mode), *mla_cases(comm, mode),
-                               *offset_cases(comm, mode)) if case[1] == "thd"]
+def _exact_through_calls(threads, cases) -> None:
+    """``cases`` on the rank threads with blocks as varlen calls match the oracle (fp64
+    1e-10, fp32 1e-5), build no mask, and take the varlen kernel on every rank."""
     cases = runnable_in(cases, WORLD)
-    per_rank = threads.run(_varlen_cases, cases)
+    per_rank = threads.run(_through_calls, cases)
     assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
     assert not any(masks for _, masks, _ in per_rank), [masks for _, masks, _ in per_rank]
     assert all(kernels[(VARLEN_KERNEL, "")] > 0 for *_, kernels in per_rank), per_rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("comm", COMMS)
+def test_oracle_thd_cases_through_varlen_calls(threads, reference_kernel, comm, mode):
+    """CP attention on packed sequences with every block in pieces run as varlen calls (the
+    reference in the kernel's place) against the single-process oracle: causal / full, MHA /
+    GQA / KV replication, CP 2 / 4, a softmax offset; MLA head dims run their pieces one call
+    each."""
+    _exact_through_calls(threads, [
+        case for case in (*matrix_cases(comm, "thd", mode), *mla_cases(comm, mode),
+                          *offset_cases(comm, mode)) if case[1] == "thd"])
 
 
 def test_the_planned_call_table():
@@ -469,26 +454,11 @@ def test_the_planned_call_table():
         assert masked <= auto_varlen <= varlen, row
 
 
-def _window_cases_as_calls(cases):
-    with BlockCounter() as counter, varlening("on"):  # in this rank thread
-        errors = run_cases(cases)
-    return errors, counter.masks, counter.kernels
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("comm", COMMS)
-def test_oracle_window_cases_through_varlen_calls(threads, monkeypatch, comm, mode):
+def test_oracle_window_cases_through_varlen_calls(threads, reference_kernel, comm, mode):
     """Sliding windows (bshd, sbhd, thd; causal and full; GQA; CP 4) with every windowed
     block run as the varlen calls of its bands - FA2's own window, the reference in the
-    kernel's place - against the single-process oracle (fp64 1e-10, fp32 1e-5); no mask is
-    built."""
-    monkeypatch.setattr(varlen_module, "_fa2_takes",
-                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
-    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
-    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
-    cases = runnable_in(window_cases(comm, mode), WORLD)
-    per_rank = threads.run(_window_cases_as_calls, cases)
-    assert not (bad := failures_of(cases, [errors for errors, *_ in per_rank])), bad[:8]
-    assert not any(masks for _, masks, _ in per_rank), [masks for _, masks, _ in per_rank]
-    assert all(kernels[(VARLEN_KERNEL, "")] > 0 for *_, kernels in per_rank), per_rank
+    kernel's place - against the single-process oracle."""
+    _exact_through_calls(threads, window_cases(comm, mode))
