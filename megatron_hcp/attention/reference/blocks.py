@@ -346,7 +346,8 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
     the layouts' device. ``varlen`` (q's heads and head dim, or ``True``: as planned): a
     packed block in pieces will run as its varlen calls (:mod:`.varlen`), so splitting costs
     the calls FA2 runs (:func:`~.varlen.kernel_calls`), not one per piece; a windowed block
-    gets the varlen calls of its bands (:mod:`.bands`) besides its mask."""
+    gets the varlen calls of its bands (:mod:`.bands`) besides its mask where they cost less
+    (:func:`~.pieces.worth_splitting`, in ``MEGATRON_HCP_SPLIT_PACKED``'s mode)."""
     halves = _halves(q_layout, kv_layout, causal)
     if halves is None:
         return None
@@ -371,10 +372,14 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         if trimmed is None:
             return None
         rows, cols, q_meta, k_meta = trimmed
-        if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`); the mask
-            # stays the block's plan where the calls cannot run (a segment too large)
-            calls = varlen_calls(block_bands(q_layout, kv_layout, which_rows, which_cols,
-                                             causal, window))
-            return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
-                         calls=calls)
+        if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`) where its
+            # calls cost less than the masked block (MEGATRON_HCP_SPLIT_PACKED's rule); the
+            # mask stays the block's plan where the calls cannot run (a segment too large)
+            bands = block_bands(q_layout, kv_layout, which_rows, which_cols, causal, window)
+            calls = varlen_calls(bands)
+            if worth_splitting(sum(b.rows * b.cols for b in bands),
+                               _launches(bands, calls, varlen), len(rows), len(cols),
+                               split_mode()):
+                return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
+                             calls=calls)
     return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))

@@ -24,7 +24,9 @@ splitting pays where sequences are long and few, and loses where they are many a
 * ``off`` - never split.
 
 Blocks with a sliding window stay masked (a window inside a pair of runs is a band, not a
-dense piece), and so do layouts whose runs meet otherwise than above (none the planner makes).
+dense piece), and so do layouts whose runs meet otherwise than above (none the planner makes);
+where FlashAttention-2's varlen calls run (CUDA), a windowed block's bands take them under the
+same rule (:mod:`.bands`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ writes output 0 and LSE ``+inf`` for them, read here as ``-inf``) and of keys wi
 A block takes one call per chain whatever the number of sequences: at most two with a causal
 mask (the diagonal squares and the keys before the queries), three without. A windowed block
 (dense or packed) becomes bands under FA2's own sliding window (:mod:`.bands`), chained the
-same way per window: at most four calls.
+same way per window: at most four calls for one sequence; packed sequences of different
+lengths give bands of different windows, a chain each, and the block takes its calls only
+where they cost less than its mask (:func:`~.pieces.worth_splitting`).
 
 ``MEGATRON_HCP_VARLEN`` chooses for blocks computed in pieces: ``auto`` (the default: on CUDA
 where FlashAttention-2 takes the block's q/k/v - fp16/bf16, one head dim, a multiple of 8 up
@@ -42,10 +44,10 @@ from .fused import _capturing
 from .pieces import Piece
 from .switches import Switch
 
-__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "forget_kernel_checks",
-           "kernel_calls", "kernel_matches_reference", "reference_backward", "reference_forward",
-           "varlen_backward", "varlen_calls", "varlen_forward", "varlen_mode", "varlen_takes",
-           "varlening"]
+__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_visible",
+           "forget_kernel_checks", "kernel_calls", "kernel_matches_reference", "max_seqlens",
+           "reference_backward", "reference_forward", "varlen_backward", "varlen_calls",
+           "varlen_forward", "varlen_mode", "varlen_takes", "varlening"]
 
 VARLEN_ENV = "MEGATRON_HCP_VARLEN"
 VARLEN_MODES = ("auto", "on", "off")
@@ -227,10 +229,38 @@ def _cumulative(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int32, device=device)
 
 
-def _longest(lens: tuple[int, ...]) -> int:
-    """The ``max_seqlen`` a call gets: at least 2, as FA2 treats a batch whose queries all
-    have one row as one query per segment (GQA's swapped layout), which gaps would break."""
-    return max(2, *lens)
+def max_seqlens(call: VarlenCall) -> tuple[int, int]:
+    """The ``max_seqlen_q`` / ``max_seqlen_k`` a call gets: at least 2 (FA2 treats a batch
+    whose queries all have one row as one query per segment - GQA's swapped layout - which
+    gaps would break), and ``max_seqlen_k`` at least every segment's rows too: FA2 takes a
+    window side of ``max_seqlen_k`` or more as unbounded and then bounds it at
+    ``max_seqlen_k`` again (:func:`fa2_visible`), which leaves a segment of more rows than
+    that without keys it should see. Both are bounds only (extra thread blocks exit)."""
+    max_q = max(2, *call.q_lens)
+    return max_q, max(max_q, *call.k_lens)
+
+
+def fa2_visible(rows: int, cols: int, causal: bool, window: tuple[int, int], max_k: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """The [rows, cols] pairs FlashAttention-2 computes for one segment of a varlen call
+    whose ``max_seqlen_k`` is ``max_k``, as its sources do: ``is_causal`` makes the right side
+    0; a side of ``max_k`` or more becomes ``-1`` (mha_varlen_fwd / _bwd); a ``-1`` side
+    becomes ``max_k`` where the other is not ``-1`` (set_params_fprop / _dgrad); row ``i``
+    then sees key ``j`` where ``i + cols - rows - left <= j <= i + cols - rows + right``
+    (mask.h: bottom-right aligned, a ``-1`` side unbounded)."""
+    left, right = window
+    right = 0 if causal else right
+    left, right = (-1 if side >= max_k else side for side in (left, right))
+    if (left < 0) != (right < 0):
+        left, right = (max_k if side < 0 else side for side in (left, right))
+    gap = (torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+           - (cols - rows))
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= gap >= -left
+    if right >= 0:
+        keep &= gap <= right
+    return keep
 
 
 def _segments(x: torch.Tensor, span: slice, b: int = 0) -> torch.Tensor:
@@ -273,7 +303,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Varl
     for b in range(q.shape[0]):
         out, lse = (kernel or _flash_forward)(
             _segments(q, rows, b), _segments(k, cols, b), _segments(v, cols, b), cu_q, cu_k,
-            _longest(call.q_lens), _longest(call.k_lens), call.causal, scale, call.window)
+            *max_seqlens(call), call.causal, scale, call.window)
         if call.empty_rows:  # FA2 writes +inf for a row without keys; a merge reads -inf
             lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
                                    neginf=float("-inf"))
@@ -297,32 +327,19 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             _segments(dout, rows, b).to(q.dtype), _segments(q, rows, b),
             _segments(k, cols, b), _segments(v, cols, b), _segments(out, rows, b).to(q.dtype),
             lse[b, :, rows].to(_lse_dtype(q.dtype)).contiguous(), cu_q, cu_k,
-            _longest(call.q_lens), _longest(call.k_lens), call.causal, scale, call.window))
+            *max_seqlens(call), call.causal, scale, call.window))
     return tuple(torch.stack([g.transpose(0, 1) for g in per_batch])
                  for per_batch in zip(*grads))
 
 
-def _segment_scores(q, k, scale, causal, window=(-1, -1)):
-    """fp32 scores [H, rows, cols] of one segment (K expanded to q's heads), the causal mask
-    and the ``window`` (left, right; ``-1`` unbounded) aligned bottom-right as FA2 aligns them
-    (the causal one the same as top-left on a square): row ``i`` sees key ``j`` where
-    ``j - i`` is within ``[cols - rows - left, cols - rows + right]``."""
+def _segment_scores(q, k, scale, causal, window, max_k):
+    """fp32 scores [H, rows, cols] of one segment (K expanded to q's heads), ``-inf`` where
+    FA2 computes no pair (:func:`fa2_visible`)."""
     heads = q.shape[1]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    left, right = window
-    right = 0 if causal else right
-    if left >= 0 or right >= 0:
-        nq, nk = s.shape[-2:]
-        gap = (torch.arange(nk, device=s.device)[None, :]
-               - torch.arange(nq, device=s.device)[:, None] - (nk - nq))
-        keep = torch.ones(nq, nk, dtype=torch.bool, device=s.device)
-        if left >= 0:
-            keep &= gap >= -left
-        if right >= 0:
-            keep &= gap <= right
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
+    keep = fa2_visible(q.shape[0], k.shape[0], causal, window, max_k, s.device)
+    return s.masked_fill(~keep, float("-inf"))
 
 
 def _bounds(lens: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -336,14 +353,15 @@ def _bounds(lens: tuple[int, ...]) -> list[tuple[int, int]]:
 def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     """FlashAttention-2's varlen forward in fp32 math, per segment (what its kernel is checked
     against): q [Tq, H, D], k/v [Tk, Hkv, D(v)]; output [Tq, H, Dv] in q's dtype, LSE [H, Tq]
-    fp32; a segment of rows without keys gets output 0 and LSE ``+inf``, as FA2 writes."""
+    fp32; a segment of rows without keys gets output 0 and LSE ``+inf``, as FA2 writes; the
+    pairs of a segment as FA2 computes them (:func:`fa2_visible`)."""
     heads, acc = q.shape[1], torch.float32 if q.dtype != torch.float64 else torch.float64
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((heads, q.shape[0]), float("inf"), dtype=acc, device=q.device)
     for (q0, q1), (k0, k1) in zip(_bounds(_lens(cu_q)), _bounds(_lens(cu_k))):
         if q1 == q0 or k1 == k0:
             continue
-        s = _segment_scores(q[q0:q1].to(acc), k[k0:k1].to(acc), scale, causal, window)
+        s = _segment_scores(q[q0:q1].to(acc), k[k0:k1].to(acc), scale, causal, window, max_k)
         seg_lse = torch.logsumexp(s, dim=-1)
         vs = v[k0:k1].to(acc).repeat_interleave(heads // v.shape[1], dim=1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.exp(s - seg_lse.unsqueeze(-1)), vs)
@@ -368,7 +386,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
         vs = v[k0:k1].to(acc).repeat_interleave(heads // kv_heads, dim=1)
         ke = ks.repeat_interleave(heads // kv_heads, dim=1)
         do, o = dout[q0:q1].to(acc), out[q0:q1].to(acc)
-        p = torch.exp(_segment_scores(qs, ks, scale, causal, window)
+        p = torch.exp(_segment_scores(qs, ks, scale, causal, window, max_k)
                       - lse[:, q0:q1].to(acc)[..., None])
         dv[k0:k1] = torch.einsum("hqk,qhd->khd", p, do)
         dp = torch.einsum("qhd,khd->hqk", do, vs)
@@ -409,12 +427,13 @@ def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _probe_calls() -> tuple[VarlenCall, ...]:
     """A small packing's calls with every kind of segment: causal squares, full rectangles,
-    rows without keys and keys without rows, and bands of two windows (one causal, on
-    squares; one on both sides, on a piece with more keys than rows)."""
+    rows without keys and keys without rows, and bands of three windows (one causal, on
+    squares; one on both sides, on a piece with more keys than rows; one bounded on the left
+    only, on a piece with more rows than keys: FA2's rules for an unbounded side)."""
     pieces = (Piece(0, 9, 0, 9, True), Piece(12, 5, 12, 5, True), Piece(20, 70, 20, 70, True),
               Piece(12, 5, 0, 9, False), Piece(20, 70, 3, 6, False), Piece(93, 3, 40, 7, False))
     bands = (Band(0, 9, 0, 9, (3, 0)), Band(12, 5, 12, 5, (3, 0)),
-             Band(20, 40, 10, 50, (4, 2)))
+             Band(20, 40, 10, 50, (4, 2)), Band(70, 16, 70, 8, (0, -1)))
     return varlen_calls(pieces) + varlen_calls(bands)
 
 

@@ -25,8 +25,10 @@ from megatron_hcp.attention.reference.varlen import (
     VARLEN_ENV,
     VARLEN_KERNEL,
     VarlenCall,
+    fa2_visible,
     forget_kernel_checks,
     kernel_matches_reference,
+    max_seqlens,
     reference_backward,
     reference_forward,
     varlen_calls,
@@ -50,26 +52,14 @@ from tests.unit.attention.test_cp_attention import (
 from tests.unit.attention.test_packed_pieces import _packings, _pairs, layout_pairs
 
 
-def _segment_mask(q: int, k: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
-    """FA2's visible pairs of a q x k segment: causal and window aligned bottom-right."""
-    gap = torch.arange(k)[None, :] - torch.arange(q)[:, None] - (k - q)
-    keep = torch.ones(q, k, dtype=torch.bool)
-    left, right = window[0], 0 if causal else window[1]
-    if left >= 0:
-        keep &= gap >= -left
-    if right >= 0:
-        keep &= gap <= right
-    return keep
-
-
 def _call_pairs(call: VarlenCall, n: int) -> torch.Tensor:
     """The (row, col) pairs over ``n`` local tokens the segments of ``call`` compute."""
     seen = torch.zeros(n, n, dtype=torch.int)
     row, col = call.row, call.col
     for q, k in zip(call.q_lens, call.k_lens):
         if q and k:
-            seen[row:row + q, col:col + k] += _segment_mask(q, k, call.causal,
-                                                            call.window).int()
+            seen[row:row + q, col:col + k] += fa2_visible(
+                q, k, call.causal, call.window, max_seqlens(call)[1]).int()
         row, col = row + q, col + k
     assert (row, col) == (call.row + call.rows, call.col + call.cols)  # segments tile spans
     return seen
@@ -109,24 +99,65 @@ def _windows(seed: int):
         yield (3, -1) if window == (-1, -1) else window
 
 
+def _long_sequences(seed: int):
+    """Single sequences of up to 16 tokens a chunk (CP 2 and 4, both layouts), causal or
+    not, as :func:`_packings` draws them, for windows longer than a chunk."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        mode, cp = rng.choice(["zigzag", "contiguous"]), rng.choice([2, 4])
+        n = (2 * cp if mode == "zigzag" else cp) * rng.randint(3, 16)
+        yield mode, cp, (n,), (n,), rng.random() < 0.7, False
+
+
+def _long_windows(seed: int):
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice([(rng.randint(0, 40), 0), (rng.randint(0, 40), -1),
+                          (-1, rng.randint(0, 40)), (rng.randint(0, 40), rng.randint(0, 40))])
+
+
 def test_window_calls_compute_exactly_the_pairs_of_the_masked_block():
     """Every windowed block of random packings and single sequences (both layouts, grouped
-    halves or not, CP 1/2/4, windows bounded on either side or both, causal or not): the
-    varlen calls of its bands (FA2's own window, aligned bottom-right) compute each visible
-    pair of the masked block once and no other; a block takes at most four calls (one per
-    pair of its halves' chunks)."""
+    halves or not, CP 1/2/4, windows bounded on either side or both, shorter and longer than
+    a chunk, causal or not): the varlen calls of its bands compute each visible pair of the
+    masked block once and no other - as FA2 computes a segment (:func:`fa2_visible`: its
+    rules for a window side past ``max_seqlen_k`` included); a single sequence's block takes
+    at most four calls (one per pair of its halves' chunks)."""
     checked = 0
-    for (layout, kv, causal, where), window in zip(
-            layout_pairs(_packings(200, seed=5), dense=True), _windows(1)):
-        block = plan_block(layout, kv, causal, window, varlen=True)
+    cases = [*zip(layout_pairs(_packings(200, seed=5), dense=True), _windows(1)),
+             *zip(layout_pairs(_long_sequences(4), dense=True), _long_windows(6))]
+    for (layout, kv, causal, where), window in cases:
+        with splitting("on"):
+            block = plan_block(layout, kv, causal, window, varlen=True)
         if block is None:
             continue
         n = layout.local_tokens
         seen = sum((_call_pairs(c, n) for c in block.calls), torch.zeros(n, n, dtype=torch.int))
         assert torch.equal(seen, _pairs(block, n)), (where, window)
-        assert len(block.calls) <= 4, block.calls
+        assert len(block.calls) <= 4 or not layout.is_dense, block.calls
         checked += 1
-    assert checked > 500
+    assert checked > 700
+
+
+def test_fa2s_rules_for_an_unbounded_window_side():
+    """FA2 takes a window side of max_seqlen_k or more as unbounded and then bounds an
+    unbounded side at max_seqlen_k where the other side is bounded (its sources, as
+    fa2_visible models them): a segment of 16 rows against 8 keys, left 0 and right
+    unbounded, loses keys under max_seqlen_k 8; the calls get max_seqlen_k of at least their
+    rows, where it sees them all."""
+    wanted = torch.ones(16, 8, dtype=torch.bool).triu(-8)  # j - i >= 8 - 16 - 0
+    assert not torch.equal(fa2_visible(16, 8, False, (0, -1), 8), wanted)
+    assert torch.equal(fa2_visible(16, 8, False, (0, -1), 16), wanted)
+    call = VarlenCall(0, 16, 0, 8, (16,), (8,), False, (0, -1))
+    assert max_seqlens(call) == (16, 16)
+    assert max_seqlens(VarlenCall(0, 1, 0, 1, (1,), (1,), True)) == (2, 2)
+
+
+
 
 
 def test_window_trimming_from_bands_is_the_masks():
