@@ -32,6 +32,7 @@ merged output and LSE.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from functools import lru_cache
@@ -223,10 +224,7 @@ def _part(call: VarlenCall, first: int, stop: int, row: int, col: int) -> Varlen
 @lru_cache(maxsize=256)
 def _cumulative(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Segment offsets ``[0, l0, l0 + l1, ...]`` as int32 on ``device``: once per packing."""
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 def max_seqlens(call: VarlenCall) -> tuple[int, int]:
@@ -270,9 +268,18 @@ def _segments(x: torch.Tensor, span: slice, b: int = 0) -> torch.Tensor:
     return seg if seg.stride(-1) == 1 else seg.contiguous()
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The LSE's dtype for a kernel on ``dtype``: fp32 (FA2's), fp64 for fp64 (the reference)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """:func:`~.kernels.acc_dtype` (the LSE's dtype: FA2's fp32, the reference's fp64 for
+    fp64; kernels imports this module through blocks)."""
+    from .kernels import acc_dtype
+
+    return acc_dtype(dtype)
+
+
+def _batch(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-batch-element results as one [B, ...] tensor: a view for one (packed data), no
+    copy on that path."""
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
 def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
@@ -305,11 +312,10 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Varl
             _segments(q, rows, b), _segments(k, cols, b), _segments(v, cols, b), cu_q, cu_k,
             *max_seqlens(call), call.causal, scale, call.window)
         if call.empty_rows:  # FA2 writes +inf for a row without keys; a merge reads -inf
-            lse = torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
-                                   neginf=float("-inf"))
+            lse.nan_to_num_(nan=float("nan"), posinf=float("-inf"), neginf=float("-inf"))
         outs.append(out.transpose(0, 1))
         lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
+    return _batch(outs), _batch(lses)
 
 
 def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -326,10 +332,9 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         grads.append((kernel or _flash_backward)(
             _segments(dout, rows, b).to(q.dtype), _segments(q, rows, b),
             _segments(k, cols, b), _segments(v, cols, b), _segments(out, rows, b).to(q.dtype),
-            lse[b, :, rows].to(_lse_dtype(q.dtype)).contiguous(), cu_q, cu_k,
+            lse[b, :, rows].to(_acc(q.dtype)).contiguous(), cu_q, cu_k,
             *max_seqlens(call), call.causal, scale, call.window))
-    return tuple(torch.stack([g.transpose(0, 1) for g in per_batch])
-                 for per_batch in zip(*grads))
+    return tuple(_batch([g.transpose(0, 1) for g in per_batch]) for per_batch in zip(*grads))
 
 
 def _segment_scores(q, k, scale, causal, window, max_k):
@@ -343,11 +348,9 @@ def _segment_scores(q, k, scale, causal, window, max_k):
 
 
 def _bounds(lens: tuple[int, ...]) -> list[tuple[int, int]]:
-    start, out = 0, []
-    for n in lens:
-        out.append((start, start + n))
-        start += n
-    return out
+    """Each segment's ``(start, stop)``."""
+    ends = list(itertools.accumulate(lens))
+    return [(end - n, end) for n, end in zip(lens, ends)]
 
 
 def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
@@ -355,7 +358,7 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(
     against): q [Tq, H, D], k/v [Tk, Hkv, D(v)]; output [Tq, H, Dv] in q's dtype, LSE [H, Tq]
     fp32; a segment of rows without keys gets output 0 and LSE ``+inf``, as FA2 writes; the
     pairs of a segment as FA2 computes them (:func:`fa2_visible`)."""
-    heads, acc = q.shape[1], torch.float32 if q.dtype != torch.float64 else torch.float64
+    heads, acc = q.shape[1], _acc(q.dtype)
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((heads, q.shape[0]), float("inf"), dtype=acc, device=q.device)
     for (q0, q1), (k0, k1) in zip(_bounds(_lens(cu_q)), _bounds(_lens(cu_k))):
@@ -366,7 +369,7 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(
         vs = v[k0:k1].to(acc).repeat_interleave(heads // v.shape[1], dim=1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.exp(s - seg_lse.unsqueeze(-1)), vs)
         lse[:, q0:q1] = seg_lse
-    return out.to(q.dtype), lse.to(torch.float32) if acc != torch.float64 else lse
+    return out.to(q.dtype), lse
 
 
 def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
@@ -375,7 +378,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     LSE [H, Tq] of the rows (the probabilities are ``exp(score - lse)``); gradients in q's
     dtype, dK / dV summed over each group of query heads."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    acc = torch.float32 if q.dtype != torch.float64 else torch.float64
+    acc = _acc(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape[0], heads, k.shape[-1], dtype=acc, device=q.device)
     dv = torch.zeros(v.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
