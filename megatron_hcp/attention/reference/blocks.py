@@ -327,6 +327,16 @@ def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, wh
     return blocks, varlen_calls(pieces), sum(p.rows * p.cols for p in pieces)
 
 
+@lru_cache(maxsize=128)
+def _band_calls(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, which_cols: str,
+                causal: bool, window: tuple[int, int]
+                ) -> tuple[tuple, tuple[VarlenCall, ...], int]:
+    """A windowed block's bands (:func:`~.bands.block_bands`), their varlen calls and the
+    pairs of their rectangles, once per packing (as :func:`_piece_blocks`)."""
+    bands = block_bands(q_layout, kv_layout, which_rows, which_cols, causal, window)
+    return bands, varlen_calls(bands), sum(b.rows * b.cols for b in bands)
+
+
 def _launches(pieces: tuple, calls: tuple[VarlenCall, ...],
               varlen: bool | tuple[int, int] | None) -> int:
     """The kernel calls a block in ``pieces`` makes: its varlen ``calls`` as FA2 runs them for
@@ -375,10 +385,9 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`) where its
             # calls cost less than the masked block (MEGATRON_HCP_SPLIT_PACKED's rule); the
             # mask stays the block's plan where the calls cannot run (a segment too large)
-            bands = block_bands(q_layout, kv_layout, which_rows, which_cols, causal, window)
-            calls = varlen_calls(bands)
-            if worth_splitting(sum(b.rows * b.cols for b in bands),
-                               _launches(bands, calls, varlen), len(rows), len(cols),
+            bands, calls, pairs = _band_calls(q_layout, kv_layout, which_rows, which_cols,
+                                              causal, window)
+            if worth_splitting(pairs, _launches(bands, calls, varlen), len(rows), len(cols),
                                split_mode()):
                 return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
                              calls=calls)
