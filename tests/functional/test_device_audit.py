@@ -134,6 +134,53 @@ def audit_cp_attention_steps() -> tuple[list[dict], list[str]]:
     return [m.to_json() for m in audit.mixes], devices
 
 
+def audit_varlen_calls() -> tuple[list[dict], dict]:
+    """One rank: packed blocks in pieces, a packed window and a dense window at CP 4, with
+    their blocks as FlashAttention-2 varlen calls (``MEGATRON_HCP_VARLEN=auto``: the
+    once-per-process kernel check included), on emulated CUDA tensors: the mixes found and
+    the kernels the blocks took. The emulation runs CPU kernels, which have no varlen one:
+    the per-segment reference (``varlen.reference_*``) stands in for FA2's kernel, and the
+    blocks are let take it in fp32; everything around the kernel (offsets, segments, merges,
+    gradients, the check) is the code under audit."""
+    import torch.distributed as dist
+
+    from megatron_hcp.attention.reference import varlen
+    from megatron_hcp.attention.reference.blocks import BlockCounter
+    from megatron_hcp.attention.reference.launch_proxy import LaunchCase, rank_launches
+    from megatron_hcp.virtual_cuda import virtual_cuda
+
+    cases = (LaunchCase("thd pieces", "p2p", 4, fmt="thd", split="on"),
+             LaunchCase("thd window", "p2p", 4, fmt="thd", window=(40, 0), split="on"),
+             LaunchCase("window", "a2a+p2p", 4, window=(64, 0), split="on"))
+    saved = {name: getattr(varlen, name)
+             for name in ("_fa2_takes", "_flash_forward", "_flash_backward")}
+    varlen._fa2_takes = lambda q, k, v: q.device.type == "cuda"
+    varlen._flash_forward, varlen._flash_backward = (varlen.reference_forward,
+                                                     varlen.reference_backward)
+    varlen.forget_kernel_checks()
+    try:
+        with virtual_cuda(dist.get_rank()) as audit, BlockCounter() as counter, \
+                varlen.varlening("auto"):
+            rank_launches(cases, device="cuda")
+    finally:
+        for name, value in saved.items():
+            setattr(varlen, name, value)
+        varlen.forget_kernel_checks()
+    return [m.to_json() for m in audit.mixes], dict(counter.kernels)
+
+
+@pytest.mark.multirank
+def test_varlen_calls_on_emulated_cuda_mix_no_devices(worlds):
+    """The varlen calls' own device paths (their offsets built once per packing on the
+    attention's device, segments, per-batch results, the kernel check's tensors) mix no
+    devices, and every rank took them."""
+    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+
+    for rank, (mixes, kernels) in enumerate(worlds(4).run(audit_varlen_calls)):
+        assert not mixes, _mixes([mixes])[0][0].line()
+        assert kernels.get((VARLEN_KERNEL, ""), 0) > 0, (rank, kernels)
+
+
 @pytest.mark.multirank
 def test_cp_attention_on_emulated_cuda_mixes_no_devices(worlds):
     """The CP attention backend's own device paths, beyond what the recipes reach (windows,

@@ -347,6 +347,14 @@ def _segment_scores(q, k, scale, causal, window, max_k):
     return s.masked_fill(~keep, float("-inf"))
 
 
+def _on_one_device(*tensors: torch.Tensor) -> None:
+    """FA2's ``CHECK_DEVICE``: every input on the device of the first."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise RuntimeError("varlen attention inputs on several devices: "
+                           f"{sorted(map(str, devices))}")
+
+
 def _bounds(lens: tuple[int, ...]) -> list[tuple[int, int]]:
     """Each segment's ``(start, stop)``."""
     ends = list(itertools.accumulate(lens))
@@ -357,7 +365,9 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(
     """FlashAttention-2's varlen forward in fp32 math, per segment (what its kernel is checked
     against): q [Tq, H, D], k/v [Tk, Hkv, D(v)]; output [Tq, H, Dv] in q's dtype, LSE [H, Tq]
     fp32; a segment of rows without keys gets output 0 and LSE ``+inf``, as FA2 writes; the
-    pairs of a segment as FA2 computes them (:func:`fa2_visible`)."""
+    pairs of a segment as FA2 computes them (:func:`fa2_visible`); inputs on one device, as
+    FA2 checks."""
+    _on_one_device(q, k, v, cu_q, cu_k)
     heads, acc = q.shape[1], _acc(q.dtype)
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((heads, q.shape[0]), float("inf"), dtype=acc, device=q.device)
@@ -377,6 +387,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     """FlashAttention-2's varlen backward in fp32 math, per segment, given the final output and
     LSE [H, Tq] of the rows (the probabilities are ``exp(score - lse)``); gradients in q's
     dtype, dK / dV summed over each group of query heads."""
+    _on_one_device(q, k, v, out, dout, lse, cu_q, cu_k)
     heads, kv_heads = q.shape[1], k.shape[1]
     acc = _acc(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
