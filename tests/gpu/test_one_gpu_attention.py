@@ -373,3 +373,34 @@ def test_windows_in_fa2s_own_window_on_cuda(gpu_threads, report, comm):
                 (f, c, d) for f in ("bshd", "thd") for c in (True, False)
                 for d in (torch.bfloat16, torch.float16))]
     _as_calls_against(gpu_threads, report, half, "masked blocks")
+
+
+@pytest.mark.parametrize("lengths, window", [(None, (512, 0)), ((1024, 512, 256, 256), None)],
+                         ids=["window", "packed"])
+def test_the_one_flash_call_baseline_on_cuda(report, lengths, window):
+    """The benchmark's one FA2 varlen call (a window FA2's own; packed sequences as segments)
+    computes, in bf16, what its SDPA baseline computes (the window as a mask; one call per
+    sequence), within twice SDPA's own error against fp64 + 1e-2, and measure_block_cost
+    times windowed and packed rows against it here."""
+    from megatron_hcp.attention.reference.block_cost import FLASH_VARLEN, baseline_call
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(1, 8, 2048, 128, generator=gen, device="cuda") for _ in "qo")
+    k, v = (torch.randn(1, 2, 2048, 128, generator=gen, device="cuda") for _ in "kv")
+    problem = dict(causal=True, window=window, lengths=lengths)
+    # fp64 on the CPU (CUDA's SDPA kernels take no fp64; the CPU's math one does)
+    exact = baseline_call(*(t.double().cpu() for t in (q, k, v, dout)), **problem,
+                          flash=False)(keep=True)
+    half = [t.bfloat16() for t in (q, k, v, dout)]
+    flash = baseline_call(*half, **problem, flash=True)(keep=True)
+    sdpa = baseline_call(*half, **problem, flash=False)(keep=True)
+
+    def error(got):
+        return max((a.double().cpu() - b).abs().max().item() for a, b in zip(got, exact))
+
+    report(1, f"one FA2 call vs fp64: {error(flash):.1e} (SDPA: {error(sdpa):.1e})")
+    assert error(flash) <= 2 * error(sdpa) + 1e-2
+    cost = measure_block_cost(seq=2048, heads=8, kv_heads=2, dim=128, cp=2,
+                              dtype=torch.bfloat16, device="cuda", repeats=1, window=window,
+                              lengths=lengths)
+    assert cost.baseline == FLASH_VARLEN, cost

@@ -9,15 +9,18 @@ those blocks through the backend's kernels (:func:`~.kernels.block_forward`, the
 other, so the sum over ranks is the compute the CP backend spends on the problem. The baseline
 is one SDPA forward + backward on the whole sequence (causal, the same dtype; torch's flash
 kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio`` = replay /
-baseline; the issue's goal is <= 1.15.
+baseline; issue #34's goal is <= 1.10 at CP <= 8, <= 1.25 at CP 16.
 
 A sliding window makes the blocks masked (the fused kernels with an additive mask, those the
-window sees nothing of skipped); its baseline is one SDPA call with the window as an S x S mask,
-which torch runs on its efficient kernel (flash takes no mask): up to
-``MAX_WINDOW_BASELINE`` tokens. Flash's own window (varlen ``window_size``) would be a faster
-baseline; it is not called here. Packed sequences (``lengths``) replay the blocks of packed
-``thd`` data (halves grouped, as the backend holds them), masked or in per-sequence pieces
-(:mod:`.pieces`), against one SDPA call per sequence.
+window sees nothing of skipped) or bands in FlashAttention-2's own window (:mod:`.varlen`).
+Packed sequences (``lengths``) replay the blocks of packed ``thd`` data (halves grouped, as
+the backend holds them), masked or in per-sequence pieces (:mod:`.pieces`). Their baseline is
+the one flash call of the same work (:attr:`BlockCost.baseline`): where FlashAttention-2
+takes the tensors and its kernel matched the reference (:func:`~.varlen.fa2_checked`: CUDA,
+fp16/bf16, one head dim), one varlen call on the whole problem, its window FA2's own and
+every packed sequence a segment; elsewhere one SDPA call with the window as an S x S mask
+(torch's efficient kernel: flash takes no mask; up to ``MAX_WINDOW_BASELINE`` tokens), and one
+SDPA call per packed sequence.
 
 ``fused``: how the replay runs its merges and masks (:mod:`.fused`: ``"off"`` eager,
 ``"auto"`` fused where Triton runs, ``"on"`` fused), so one run measures both;
@@ -29,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +45,22 @@ from .fused import fusing
 from .kernels import acc_dtype
 from .pieces import splitting
 from .seq_layout import SeqLayout, half_grouping
-from .varlen import varlening
+from .varlen import VarlenCall, fa2_checked, varlen_backward, varlen_forward, varlening
 
-__all__ = ["BlockCost", "band_mask", "local_tokens", "measure_block_cost", "rank_block_pass"]
+__all__ = ["BaselineTooLarge", "BlockCost", "FLASH_VARLEN", "SDPA", "SDPA_PER_SEQUENCE",
+           "band_mask", "baseline_call", "local_tokens", "measure_block_cost", "rank_block_pass"]
 
-# the largest sequence whose one-call windowed baseline (an S x S mask) is measured
+# the largest sequence whose windowed SDPA baseline (an S x S mask) is measured
 MAX_WINDOW_BASELINE = 65536
+# BlockCost.baseline: what the one-call time is of
+SDPA = "sdpa"  # one scaled_dot_product_attention call (a window as an S x S mask)
+SDPA_PER_SEQUENCE = "sdpa per sequence"  # packed sequences: one SDPA call each, summed
+FLASH_VARLEN = "flash varlen"  # one FA2 varlen call: its own window, a segment per sequence
+
+
+class BaselineTooLarge(ValueError):
+    """A windowed problem whose only baseline here is an SDPA call with an S x S mask, and S is
+    above :data:`MAX_WINDOW_BASELINE`."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class BlockCost:
     blocks_per_rank: int
     merges: dict[str, int]  # LSE merges of one replay by path ("fused", "eager")
     masks: dict[str, int]  # additive masks of one replay (forward and backward) by path
+    baseline: str = SDPA  # what sdpa_s timed: SDPA, SDPA_PER_SEQUENCE or FLASH_VARLEN
 
     @property
     def ratio(self) -> float:
@@ -160,21 +175,15 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
                        fused: str = "auto", sdpa_s: float | None = None,
                        lengths: tuple[int, ...] | None = None, split: str = "auto",
                        varlen: str = "auto") -> BlockCost:
-    """Time every rank's blocks (summed) and one SDPA call on the same causal problem
+    """Time every rank's blocks (summed) and the one call of the same causal problem
     (``kv_heads < heads``: GQA; ``dim_v``: v's head dim where it differs, as in MLA; a sliding
-    ``window``: the blocks are masked, and the SDPA call takes the window as a mask - torch's
-    efficient kernel, flash takes no mask - up to ``MAX_WINDOW_BASELINE`` tokens). ``fused``:
-    the mode of the replay's merges and masks (module docstring); ``sdpa_s``: the SDPA time of
-    this problem measured already (the other mode's row), not measured again. ``lengths``:
-    ``seq`` tokens packed as sequences of these lengths (each a multiple of ``2*cp``; no
-    window), replayed with ``split`` as ``MEGATRON_HCP_SPLIT_PACKED`` (:mod:`.pieces`) and
-    ``varlen`` as ``MEGATRON_HCP_VARLEN`` (:mod:`.varlen`), against
-    one SDPA call per sequence, summed (the work one varlen flash call computes, with each
-    call's launches)."""
+    ``window``; ``lengths``: ``seq`` tokens packed as sequences of these lengths, each a
+    multiple of ``2*cp``, no window) - the baseline of the module docstring. ``fused``,
+    ``split``, ``varlen``: the modes the replay runs with (``MEGATRON_HCP_FUSED_OPS``,
+    ``_SPLIT_PACKED``, ``_VARLEN``); ``sdpa_s``: the baseline time of this problem measured
+    already (the other modes' row), not measured again. Raises :class:`BaselineTooLarge` for a
+    window whose only baseline here is a mask of more than ``MAX_WINDOW_BASELINE`` squared."""
     device = torch.device(device)
-    if window is not None and seq > MAX_WINDOW_BASELINE:
-        raise ValueError(f"seq={seq} with a window: the one-call baseline's {seq} x {seq} "
-                         f"mask is too large; use seq <= {MAX_WINDOW_BASELINE}")
     if lengths is not None and (window is not None or sum(lengths) != seq
                                 or any(n % (2 * cp) for n in lengths)):
         raise ValueError(f"lengths={lengths}: packed sequences must sum to seq={seq}, each a "
@@ -183,12 +192,19 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
         raise ValueError(f"seq={seq}: must be a multiple of 2*cp={2 * cp} (two chunks per rank)")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    dv = dim if dim_v is None else dim_v
+    shapes = ((heads, dim), (kv_heads, dim), (kv_heads, dv))
+    flash = (window is not None or lengths is not None) and fa2_checked(
+        *(torch.empty(batch, h, 8, d, device=device, dtype=dtype) for h, d in shapes))
+    if window is not None and seq > MAX_WINDOW_BASELINE and not flash:
+        raise BaselineTooLarge(
+            f"seq={seq} with a window: FlashAttention-2 does not run here, and the SDPA "
+            f"baseline's {seq} x {seq} mask is too large; use seq <= {MAX_WINDOW_BASELINE}")
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(h, d=dim):
         return torch.randn(batch, h, seq, d, generator=gen, device=device, dtype=dtype)
 
-    dv = dim if dim_v is None else dim_v
     q, k, v, dout = draw(heads), draw(kv_heads), draw(kv_heads, dv), draw(heads, dv)
 
     def replay():
@@ -196,31 +212,75 @@ def measure_block_cost(*, seq: int, heads: int, kv_heads: int, dim: int, cp: int
             rank_block_pass(q, k, v, dout, cp, rank, causal=causal, window=window,
                             lengths=lengths)
 
-    # torch's flash kernel (its efficient one where flash cannot run: fp32, MLA head dims; on
-    # the CPU, where neither takes MLA head dims, the math one)
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    if device.type != "cuda":
-        backends.append(SDPBackend.MATH)
-
-    band = None if window is None else band_mask(seq, causal, window, device)
-    pieces = [slice(0, seq)] if lengths is None else [
-        slice(start, start + n) for start, n in zip(itertools.accumulate((0, *lengths)), lengths)]
-
-    def sdpa():
-        for part in pieces:
-            qq, kk, vv = (t[:, :, part].detach().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(backends):
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qq, kk, vv, attn_mask=band, is_causal=causal and band is None,
-                    enable_gqa=kv_heads != heads)
-            out.backward(dout[:, :, part])
-
+    baseline = FLASH_VARLEN if flash else SDPA if lengths is None else SDPA_PER_SEQUENCE
+    one_call = baseline_call(q, k, v, dout, causal=causal, window=window, lengths=lengths,
+                             flash=flash)
     with torch.no_grad(), fusing(fused), splitting(split), varlening(varlen):
         blocks_s = _best(replay, repeats, device)
         with BlockCounter() as counter:
             replay()
     calls = sum(counter.kernels.values())
     return BlockCost(cp=cp, blocks_s=blocks_s,
-                     sdpa_s=_best(sdpa, repeats, device) if sdpa_s is None else sdpa_s,
+                     sdpa_s=_best(one_call, repeats, device) if sdpa_s is None else sdpa_s,
                      kernels=dict(counter.kernels), blocks_per_rank=calls // cp,
-                     merges=dict(counter.merges), masks=dict(counter.masks))
+                     merges=dict(counter.merges), masks=dict(counter.masks),
+                     baseline=baseline)
+
+
+Baseline = Callable[..., "tuple[torch.Tensor, ...] | None"]
+
+
+def baseline_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                  causal: bool = True, window: Window = None,
+                  lengths: tuple[int, ...] | None = None, flash: bool) -> Baseline:
+    """The one call a replay is timed against, forward + backward on [B, H, S, D] tensors:
+    ``flash``, one FlashAttention-2 varlen call (:func:`_one_flash_call`), else SDPA
+    (:func:`_sdpa_calls`). Called with ``keep=True`` it returns (out, dq, dk, dv), so a test
+    can check that both compute the same problem; timed, it returns nothing (no copies)."""
+    return (_one_flash_call if flash else _sdpa_calls)(q, k, v, dout, causal, window, lengths)
+
+
+def _sdpa_calls(q, k, v, dout, causal: bool, window: Window,
+                lengths: tuple[int, ...] | None) -> Baseline:
+    """SDPA forward + backward on the whole sequence (a window as an S x S mask), or on each
+    packed sequence: torch's flash kernel, its efficient one where flash cannot run (fp32,
+    MLA head dims, a mask); on the CPU, where neither takes MLA head dims, the math one."""
+    seq = q.shape[2]
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if q.device.type != "cuda":
+        backends.append(SDPBackend.MATH)
+    band = None if window is None else band_mask(seq, causal, window, q.device)
+    pieces = [slice(0, seq)] if lengths is None else [
+        slice(start, start + n) for start, n in zip(itertools.accumulate((0, *lengths)), lengths)]
+
+    def run(keep: bool = False):
+        kept = []
+        for part in pieces:
+            qq, kk, vv = (t[:, :, part].detach().requires_grad_() for t in (q, k, v))
+            with torch.enable_grad(), sdpa_kernel(backends):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qq, kk, vv, attn_mask=band, is_causal=causal and band is None,
+                    enable_gqa=k.shape[1] != q.shape[1])
+                out.backward(dout[:, :, part])
+            if keep:
+                kept.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        return tuple(torch.cat(parts, dim=2) for parts in zip(*kept)) if keep else None
+    return run
+
+
+def _one_flash_call(q, k, v, dout, causal: bool, window: Window,
+                    lengths: tuple[int, ...] | None) -> Baseline:
+    """One FlashAttention-2 varlen forward + backward on the whole problem: every packed
+    sequence a segment, a window FA2's own (on a square segment its bottom-right alignment
+    is the diagonal's)."""
+    lens = tuple(lengths) if lengths is not None else (q.shape[2],)
+    total = sum(lens)
+    call = VarlenCall(0, total, 0, total, lens, lens, causal,
+                      window if window is not None else (-1, -1))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run(keep: bool = False):
+        out, lse = varlen_forward(q, k, v, call, scale)
+        grads = varlen_backward(dout, q, k, v, out, lse, call, scale)
+        return (out, *grads) if keep else None
+    return run

@@ -45,10 +45,10 @@ from .fused import _capturing
 from .pieces import Piece
 from .switches import Switch
 
-__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_visible",
-           "forget_kernel_checks", "kernel_calls", "kernel_matches_reference", "max_seqlens",
-           "reference_backward", "reference_forward", "varlen_backward", "varlen_calls",
-           "varlen_forward", "varlen_mode", "varlen_takes", "varlening"]
+__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_checked",
+           "fa2_visible", "forget_kernel_checks", "kernel_calls", "kernel_matches_reference",
+           "max_seqlens", "reference_backward", "reference_forward", "varlen_backward",
+           "varlen_calls", "varlen_forward", "varlen_mode", "varlen_takes", "varlening"]
 
 VARLEN_ENV = "MEGATRON_HCP_VARLEN"
 VARLEN_MODES = ("auto", "on", "off")
@@ -437,6 +437,14 @@ def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if mode == "off" or not _fa2_takes(q, k, v) or _capturing():
         return False
     return mode == "on" or kernel_matches_reference(q.device, q.dtype)
+
+
+def fa2_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 takes these tensors here and its varlen kernel matched the
+    reference on their GPU and dtype (``auto``'s condition, whatever ``MEGATRON_HCP_VARLEN``
+    says: the benchmark's one-call baseline asks it)."""
+    return (_fa2_takes(q, k, v) and not _capturing()
+            and kernel_matches_reference(q.device, q.dtype))
 
 
 def _probe_calls() -> tuple[VarlenCall, ...]:

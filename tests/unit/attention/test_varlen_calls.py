@@ -493,3 +493,75 @@ def test_oracle_window_cases_through_varlen_calls(threads, reference_kernel, com
     block run as the varlen calls of its bands - FA2's own window, the reference in the
     kernel's place - against the single-process oracle."""
     _exact_through_calls(threads, window_cases(comm, mode))
+
+
+@pytest.fixture
+def checked_reference(reference_kernel):
+    """The reference in the kernel's place, checked as ``auto`` checks FA2 (then forgotten)."""
+    forget_kernel_checks()
+    yield
+    forget_kernel_checks()
+
+
+@pytest.mark.parametrize("lengths, window, causal", [
+    (None, (5, 0), True), (None, (3, 4), False), (None, (-1, 6), False),
+    ((16, 8, 24, 16), None, True), ((16, 8, 24, 16), None, False), (None, None, True)])
+def test_the_one_flash_call_baseline_computes_the_sdpa_baselines_problem(
+        reference_kernel, lengths, window, causal):
+    """The benchmark's one FA2 varlen call (its own window; every packed sequence a segment)
+    computes what its SDPA baseline computes (an S x S mask; one call per sequence): output
+    and gradients, GQA, fp64 - the figure's two baselines are one problem."""
+    from megatron_hcp.attention.reference.block_cost import baseline_call
+
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 4, 64, 8, generator=gen, dtype=torch.float64) for _ in "qo")
+    k, v = (torch.randn(1, 2, 64, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    problem = dict(causal=causal, window=window, lengths=lengths)
+    flash = baseline_call(q, k, v, dout, **problem, flash=True)(keep=True)
+    sdpa = baseline_call(q, k, v, dout, **problem, flash=False)(keep=True)
+    assert baseline_call(q, k, v, dout, **problem, flash=True)() is None  # timed: no copies
+    for name, got, want in zip(("out", "dq", "dk", "dv"), flash, sdpa):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=name)
+
+
+def test_windowed_and_packed_rows_are_timed_against_one_flash_call(checked_reference):
+    """Where FA2 runs and matched the reference (here: the reference, checked), a windowed or
+    packed row's one call is one FA2 varlen call, and a window is not limited to the SDPA
+    mask's size; dense rows keep one SDPA call (the issue's baseline)."""
+    from megatron_hcp.attention.reference.block_cost import (
+        FLASH_VARLEN,
+        SDPA,
+        measure_block_cost,
+    )
+
+    problem = dict(seq=64, heads=4, kv_heads=2, dim=8, cp=4, dtype=torch.float32,
+                   device="cpu", repeats=1)
+    assert measure_block_cost(**problem, window=(5, 0)).baseline == FLASH_VARLEN
+    assert measure_block_cost(**problem, lengths=(32, 16, 8, 8)).baseline == FLASH_VARLEN
+    assert measure_block_cost(**problem).baseline == SDPA
+
+
+def test_without_fa2_the_window_baseline_is_sdpa_and_bounded():
+    """Without FA2 (the CPU) windowed rows are timed against SDPA with the window as a mask,
+    packed ones against SDPA per sequence, and a window too long for that mask is refused
+    before anything is drawn."""
+    from benchmarks.attention import gpu_block_table
+    from megatron_hcp.attention.reference.block_cost import (
+        MAX_WINDOW_BASELINE,
+        SDPA,
+        SDPA_PER_SEQUENCE,
+        BaselineTooLarge,
+        measure_block_cost,
+    )
+
+    problem = dict(heads=4, kv_heads=2, dim=8, cp=4, dtype=torch.float32, device="cpu",
+                   repeats=1)
+    assert measure_block_cost(seq=64, **problem, window=(5, 0)).baseline == SDPA
+    packed = measure_block_cost(seq=64, **problem, lengths=(32, 16, 8, 8))
+    assert packed.baseline == SDPA_PER_SEQUENCE
+    with pytest.raises(BaselineTooLarge, match=f"use seq <= {MAX_WINDOW_BASELINE}"):
+        measure_block_cost(seq=2 * MAX_WINDOW_BASELINE, **problem, window=(5, 0))
+    lines = list(gpu_block_table([2 * MAX_WINDOW_BASELINE], {"window": (4, 4, 8, 8, 5)},
+                                 "fp32", [2, 4], 1, device="cpu"))
+    assert len(lines) == 4 and lines[-1].startswith("not measured: window at S=131072 ("), lines
