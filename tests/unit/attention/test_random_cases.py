@@ -11,14 +11,16 @@ metadata as the same tensor, a copy or omitted, q/k/v as strided views with NaN 
 a second layer on the same packing, and the backend's switches (split, fused, varlen with
 the reference in FA2's place). fp64; every rank's output and gradients must match the oracle
 within 1e-10 of its scale, and padding must get exactly zero. A review session's sweep of
-36,600 such cases (``fuzz.py`` in session 20's notes) found no failure; this keeps a slice of
-it in CI.
+36,600 such cases (session 20) found no failure; this keeps a slice of it in CI. A longer
+sweep: ``python -m tests.unit.attention.test_random_cases --seed 7 --cases 5000``.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -268,3 +270,27 @@ def test_the_comparison_catches_a_wrong_output(threads, reference_kernel):
     cases = [case for case in (draw_case(rng, i) for i in range(12))
              if sum(case.get("lengths", [1])) > 0][:6]
     assert len(_failures(threads, cases, plant=1e-8)) == len(cases)
+
+
+def main() -> None:
+    """A longer sweep than CI's: the failing cases, then a count."""
+    parser = argparse.ArgumentParser(description="random CP attention cases vs the oracle")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--cases", type=int, default=1000)
+    args = parser.parse_args()
+    for name, kernel in (("_fa2_takes", lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1]),
+                         ("_flash_forward", reference_forward),
+                         ("_flash_backward", reference_backward)):
+        setattr(varlen_module, name, kernel)  # this process only: the reference as FA2
+    rng = random.Random(args.seed)
+    start, failed = time.time(), 0
+    with ThreadedWorld(WORLD, device="cpu") as world:
+        for i in range(args.cases):
+            for case, bad in _failures(world, [draw_case(rng, args.seed * 1_000_000 + i)]):
+                failed += 1
+                print(f"FAILED {case}: {bad}", flush=True)
+    print(f"{args.cases} cases, {failed} failed, {time.time() - start:.0f} s (seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()
