@@ -32,16 +32,14 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
     pad_thd,
 )
-from megatron_hcp.attention.reference import varlen as varlen_module
 from megatron_hcp.attention.reference.fused import fusing
 from megatron_hcp.attention.reference.pieces import splitting
 from megatron_hcp.attention.reference.varlen import (
-    reference_backward,
-    reference_forward,
     varlening,
 )
 from megatron_hcp.sharding import layout_unit
 from megatron_hcp.threaded_world import ThreadedWorld
+from tests.unit.attention.conftest import reference_as_fa2
 from tests.unit.attention.test_cp_attention import cp_groups
 
 pytestmark = pytest.mark.multirank
@@ -227,19 +225,6 @@ def threads():
         yield world
 
 
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """FA2's varlen kernel replaced by the reference, taking blocks of one head dim (as FA2),
-    so the cases with varlen on or auto run the calls' planning on the CPU."""
-    monkeypatch.setattr(varlen_module, "_fa2_takes",
-                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
-    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
-    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
-    varlen_module.forget_kernel_checks()
-    yield
-    varlen_module.forget_kernel_checks()
-
-
 def _failures(world, cases, plant: float = 0.0) -> list[tuple[dict, dict]]:
     """(case, errors over the tolerance) of every failing case."""
     failing = []
@@ -278,10 +263,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--cases", type=int, default=1000)
     args = parser.parse_args()
-    for name, kernel in (("_fa2_takes", lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1]),
-                         ("_flash_forward", reference_forward),
-                         ("_flash_backward", reference_backward)):
-        setattr(varlen_module, name, kernel)  # this process only: the reference as FA2
+    reference_as_fa2(setattr)  # this process only
     rng = random.Random(args.seed)
     start, failed = time.time(), 0
     with ThreadedWorld(WORLD, device="cpu") as world:

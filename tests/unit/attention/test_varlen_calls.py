@@ -428,16 +428,6 @@ def threads():
         yield world
 
 
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """FA2's varlen kernel replaced by the reference (SDPA per segment, checked above),
-    taking every block with one head dim (MLA head dims: not taken, as by FA2)."""
-    monkeypatch.setattr(varlen_module, "_fa2_takes",
-                        lambda q, k, v: q.shape[-1] == k.shape[-1] == v.shape[-1])
-    monkeypatch.setattr(varlen_module, "_flash_forward", reference_forward)
-    monkeypatch.setattr(varlen_module, "_flash_backward", reference_backward)
-
-
 def _through_calls(cases):
     with BlockCounter() as counter, splitting("on"), varlening("on"):  # in this rank thread
         errors = run_cases(cases)
@@ -495,14 +485,6 @@ def test_oracle_window_cases_through_varlen_calls(threads, reference_kernel, com
     _exact_through_calls(threads, window_cases(comm, mode))
 
 
-@pytest.fixture
-def checked_reference(reference_kernel):
-    """The reference in the kernel's place, checked as ``auto`` checks FA2 (then forgotten)."""
-    forget_kernel_checks()
-    yield
-    forget_kernel_checks()
-
-
 @pytest.mark.parametrize("lengths, window, causal", [
     (None, (5, 0), True), (None, (3, 4), False), (None, (-1, 6), False),
     ((16, 8, 24, 16), None, True), ((16, 8, 24, 16), None, False), (None, None, True)])
@@ -525,7 +507,7 @@ def test_the_one_flash_call_baseline_computes_the_sdpa_baselines_problem(
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=name)
 
 
-def test_windowed_and_packed_rows_are_timed_against_one_flash_call(checked_reference):
+def test_windowed_and_packed_rows_are_timed_against_one_flash_call(reference_kernel):
     """Where FA2 runs and matched the reference (here: the reference, checked), a windowed or
     packed row's one call is one FA2 varlen call, and a window is not limited to the SDPA
     mask's size; dense rows keep one SDPA call (the issue's baseline)."""
