@@ -434,9 +434,9 @@ def _fa2_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a block in pieces of these tensors runs as varlen calls (module docstring)."""
     mode = varlen_mode()
-    if mode == "off" or not _fa2_takes(q, k, v) or _capturing():
-        return False
-    return mode == "on" or kernel_matches_reference(q.device, q.dtype)
+    if mode == "on":
+        return _fa2_takes(q, k, v) and not _capturing()
+    return mode == "auto" and fa2_checked(q, k, v)
 
 
 def fa2_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
