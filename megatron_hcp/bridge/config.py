@@ -14,11 +14,12 @@ Bridge's training loop (``bridge-cp-setup``) read configs with it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, fields_read_by, parse_value
 
-__all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "world_size_before_init"]
+__all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "read_window", "world_size_before_init"]
 
 # CPConfig fields a Bridge model config may carry, by the same name (the one field table,
 # config.values.FIELDS)
@@ -49,19 +50,55 @@ _TEXT_KINDS = frozenset({"str", "strs", "version"})
 def _read_field(name: str, raw: Any) -> Any:
     kind = FIELD_KINDS[name]
     base = kind.lstrip("?")
-    want = {"sizes": "a list of integers", "window": "a list of two integers",
-            "bool": "a boolean"}.get(base, "an integer")
+    if base == "window":
+        return read_window(raw, f"model.{name}")
+    want = {"sizes": "a list of integers", "bool": "a boolean"}.get(base, "an integer")
     items = raw if isinstance(raw, (list, tuple)) else [raw]
     if base not in _TEXT_KINDS and any(isinstance(x, (str, bytes)) for x in items):
         raise CPConfigError([Violation(
             f"model.{name}", raw, f"must be {want}, not text (a Python config holds the value "
             "itself)", f"set model.{name} to {want}")])
-    if base in ("sizes", "window") and not isinstance(raw, (list, tuple)):
+    if base == "sizes" and not isinstance(raw, (list, tuple)):
         raise CPConfigError([Violation(f"model.{name}", raw, f"must be {want}",
                                        f"set e.g. model.{name}=[2, 2]")])
-    if name == "window_size" and isinstance(raw, tuple):
-        raw = list(raw)
     return parse_value(raw, kind, f"model.{name}")
+
+
+_WINDOW_FORMS = ("an integer token count W >= 1 (Bridge's form, e.g. Gemma 3's window_size=512: "
+                 "megatron's (W-1, 0)), a pair of integers (left, right) >= -1 (megatron's "
+                 "form; -1 = unbounded) or None")
+
+
+def read_window(raw: Any, name: str = "model.window_size") -> list[int] | None:
+    """megatron's ``(left, right)`` of a model config's ``window_size``, in every form megatron
+    and Bridge give it: ``None`` (no window), a tuple or list of two integers >= -1 (megatron's
+    ``TransformerConfig.window_size``; -1 = unbounded), or one integer ``W >= 1``: a causal
+    window of ``W`` tokens, the current one included - Bridge's scalar form (Gemma 3's provider,
+    ``window_size=512``, which its attention turns into ``(W-1, 0)`` on its sliding-window
+    layers; Bridge's ``mcore_to_hf_window_size`` is the inverse) - read as ``[W-1, 0]``.
+    Anything else (text, a bool, a float, ``W <= 0``, a pair of other length) is a
+    :class:`CPConfigError` naming ``name``."""
+    if raw is None:
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw < 1:
+            raise CPConfigError([Violation(
+                name, raw, f"an integer window is a token count and must be >= 1 (forms: "
+                f"{_WINDOW_FORMS})", f"set {name}=None for no window, or e.g. {name}=512")])
+        return [raw - 1, 0]
+    pair = isinstance(raw, Sequence) and not isinstance(raw, (str, bytes))  # a list, tuple, ...
+    items = list(raw) if pair else [raw]
+    if pair and len(items) == 2 and not any(isinstance(x, (str, bytes)) for x in items):
+        return parse_value(items, "window", name)
+    if any(isinstance(x, (str, bytes)) for x in items):
+        what = "text"
+    elif pair:
+        what = f"{len(raw)} values"
+    else:
+        what = f"a {type(raw).__name__}"
+    raise CPConfigError([Violation(
+        name, raw, f"must be {_WINDOW_FORMS}, not {what}",
+        f"set e.g. {name}=[127, 0] or {name}=128 (a Python config holds the value itself)")])
 
 
 def cp_config_from_bridge(model_config: Any, world_size: int | None = None, *,
