@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,11 @@ __all__ = [
     "MicroBatch",
     "ShardingError",
     "assemble_from_chunks",
+    "check_cp_size",
+    "check_cu_seqlens_tensor",
     "check_partition_mode",
     "contiguous_window_reach",
+    "cu_seqlens_values",
     "gather_from_cp",
     "get_local_chunk",
     "layout_unit",
@@ -97,10 +101,19 @@ def check_partition_mode(cp_partition_mode: object) -> str:
     return str(cp_partition_mode)
 
 
+def check_cp_size(cp_size: object, name: str = "cp_size") -> int:
+    """``cp_size`` if it is an integer >= 1 (a bool, a float, 0 or a negative size is refused:
+    it would silently shard as for one rank)."""
+    if isinstance(cp_size, bool) or not isinstance(cp_size, numbers.Integral) or cp_size < 1:
+        raise ShardingError(f"{name}={cp_size!r}: must be an integer >= 1 (the number of CP "
+                            "ranks); pass the size of the context-parallel group")
+    return int(cp_size)
+
+
 def layout_unit(cp_size: int, cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE) -> int:
     """The number of equal pieces a sequence is cut into: ``2*cp`` (zigzag; also for one
     rank, the attention's two-halves layout) or ``cp`` (contiguous)."""
-    cp = max(1, cp_size)
+    cp = check_cp_size(cp_size)
     return 2 * cp if check_partition_mode(cp_partition_mode) == "zigzag" else cp
 
 
@@ -136,13 +149,64 @@ def seq_dim(qkv_format: str) -> int:
         ) from None
 
 
-def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+_CU_FIX = ("pass torch.tensor([0, len0, len0+len1, ...], dtype=torch.int32), the cumulative "
+           "lengths of the packed sequences")
+
+
+def check_cu_seqlens_tensor(cu_seqlens: object, name: str = "cu_seqlens") -> None:
+    """The rules of ``cu_seqlens`` that need no read of its values (none on the hot path: on
+    a GPU a read is a synchronisation): a 1-D integer ``torch.Tensor`` with at least one entry,
+    not on ``meta``. A :class:`ShardingError` naming ``name`` otherwise."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ShardingError(f"{name} is a {type(cu_seqlens).__name__}: must be a 1-D integer "
+                            f"torch.Tensor; {_CU_FIX}")
+    dtype = cu_seqlens.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ShardingError(f"{name} has dtype {dtype}: must be an integer dtype (a float "
+                            f"length would be truncated); {_CU_FIX}")
+    if cu_seqlens.device.type == "meta":
+        raise ShardingError(f"{name} is on the meta device and holds no values; pass it on "
+                            "the CPU or the device of the data")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ShardingError(f"{name} has shape {list(cu_seqlens.shape)}: must be 1-D with at "
+                            f"least one entry; {_CU_FIX}")
+
+
+def cu_seqlens_values(cu_seqlens: object, name: str = "cu_seqlens", *,
+                      tokens: int | None = None) -> list[int]:
+    """The values of ``cu_seqlens`` (cumulative sequence lengths of a packed batch), read on
+    the host, after the rules every public function applies to them:
+    :func:`check_cu_seqlens_tensor`, then starting at 0, non-decreasing and, with ``tokens``,
+    ending at ``tokens`` (the tokens of the tensor it describes: a shorter total would drop
+    tokens, a longer one read past them). Each broken rule is a :class:`ShardingError` naming
+    ``name``."""
+    check_cu_seqlens_tensor(cu_seqlens, name)
+    assert isinstance(cu_seqlens, torch.Tensor)
     cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0:
+        raise ShardingError(f"{name} starts at {cu[0]}: must start at 0 (tokens before the "
+                            f"first offset would be dropped); {_CU_FIX}")
+    bad = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if bad is not None:
+        raise ShardingError(f"{name} decreases at entry {bad} ({cu[bad - 1]} -> {cu[bad]}): "
+                            f"must be non-decreasing; {_CU_FIX}")
+    if tokens is not None and cu[-1] != tokens:
+        raise ShardingError(f"{name} ends at {cu[-1]} but the tensor holds {tokens} tokens: "
+                            "the packed sequences must cover exactly its tokens (fewer would "
+                            "be dropped); pass the cu_seqlens of this tensor")
+    return cu
+
+
+def seq_lengths(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> list[int]:
+    """The sequence lengths ``cu_seqlens`` describes (checked: :func:`cu_seqlens_values`)."""
+    cu = cu_seqlens_values(cu_seqlens, name)
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def _check_cp_position(cp_size: int, cp_rank: int) -> None:
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+    check_cp_size(cp_size)
+    if (isinstance(cp_rank, bool) or not isinstance(cp_rank, numbers.Integral)
+            or not 0 <= cp_rank < cp_size):
         raise ShardingError(
             f"cp_size={cp_size}, cp_rank={cp_rank}: need cp_size >= 1 and 0 <= cp_rank < cp_size")
 
@@ -153,16 +217,16 @@ def _pieces(cp_size: int, cp_rank: int, mode: str) -> tuple[int, ...]:
 
 
 def thd_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, *,
-                          cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
+                          cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
+                          tokens: int | None = None) -> torch.Tensor:
     """Global token indices held by ``cp_rank`` (zigzag: TE's ``thd_get_partitioned_indices``).
 
     Every sequence length in ``cu_seqlens_padded`` must be a multiple of the layout's unit
-    (:func:`pad_thd`); anything else would drop tokens, so it is refused."""
+    (:func:`pad_thd`); anything else would drop tokens, so it is refused, as is a total other
+    than ``tokens`` (the global tensor's, where the caller has one)."""
     _check_cp_position(cp_size, cp_rank)
     unit = layout_unit(cp_size, cp_partition_mode)
-    cu = [int(x) for x in cu_seqlens_padded.tolist()]
-    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ShardingError(f"cu_seqlens_padded={cu} must start at 0 and be non-decreasing")
+    cu = cu_seqlens_values(cu_seqlens_padded, "cu_seqlens_padded", tokens=tokens)
     for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         if (end - start) % unit:
             raise ShardingError(
@@ -194,7 +258,8 @@ def get_local_chunk(
         if cu_seqlens_padded is None:
             raise ShardingError("thd needs cu_seqlens_padded to cut sequences")
         idx = thd_partition_indices(cu_seqlens_padded, cp_size, cp_rank,
-                                    cp_partition_mode=cp_partition_mode).to(x.device)
+                                    cp_partition_mode=cp_partition_mode,
+                                    tokens=x.shape[dim]).to(x.device)
         return x.index_select(dim, idx)
     _check_cp_position(cp_size, cp_rank)
     unit = layout_unit(cp_size, cp_partition_mode)
@@ -215,29 +280,59 @@ def assemble_from_chunks(
     *,
     cp_partition_mode: str = DEFAULT_CP_PARTITION_MODE,
 ) -> torch.Tensor:
-    """Inverse of :func:`get_local_chunk`: the global tensor from every rank's shard."""
-    cp = len(chunks)
+    """Inverse of :func:`get_local_chunk`: the global tensor from every rank's shard, one
+    chunk per CP rank in rank order (their number is the CP size)."""
     dim = seq_dim(qkv_format)
     mode = check_partition_mode(cp_partition_mode)
+    _check_chunks(chunks, dim)
+    cp = len(chunks)
     if qkv_format == "thd":
         if cu_seqlens_padded is None:
             raise ShardingError("thd needs cu_seqlens_padded to reassemble sequences")
-        total = int(cu_seqlens_padded[-1])
+        # the padding rule first (it names the CP size the chunks' number gives), then the
+        # tokens each chunk must hold
+        indices = [thd_partition_indices(cu_seqlens_padded, cp, r, cp_partition_mode=mode)
+                   for r in range(cp)]
+        for r, (chunk, idx) in enumerate(zip(chunks, indices)):
+            if chunk.shape[dim] != idx.numel():
+                raise ShardingError(
+                    f"chunk {r} of {cp} holds {chunk.shape[dim]} tokens; cu_seqlens_padded "
+                    f"over cp_size={cp} ({mode}) gives rank {r} {idx.numel()}: pass one chunk "
+                    "per CP rank, in rank order, with the cu_seqlens_padded they were cut with")
         shape = list(chunks[0].shape)
-        shape[dim] = total
+        shape[dim] = sum(idx.numel() for idx in indices)
         out = chunks[0].new_zeros(shape)
-        for r, chunk in enumerate(chunks):
-            idx = thd_partition_indices(cu_seqlens_padded, cp, r,
-                                        cp_partition_mode=mode).to(chunk.device)
-            out.index_copy_(dim, idx, chunk)
+        for chunk, idx in zip(chunks, indices):
+            out.index_copy_(dim, idx.to(chunk.device), chunk)
         return out
     if mode == "contiguous":
         return torch.cat(chunks, dim=dim)
+    if chunks[0].shape[dim] % 2:
+        raise ShardingError(f"each chunk holds {chunks[0].shape[dim]} tokens; a zigzag chunk "
+                            "holds two equal halves (an even number): pass the chunks "
+                            "get_local_chunk cut, or cp_partition_mode='contiguous'")
     pieces: list[torch.Tensor | None] = [None] * (2 * cp)
     for r, chunk in enumerate(chunks):
         a, b = chunk.chunk(2, dim=dim)
         pieces[r], pieces[2 * cp - 1 - r] = a, b
     return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
+
+
+def _check_chunks(chunks: object, dim: int) -> None:
+    """A non-empty list of tensors, one per CP rank, alike but for the sequence length."""
+    if (not isinstance(chunks, (list, tuple)) or not chunks
+            or not all(isinstance(c, torch.Tensor) for c in chunks)):
+        raise ShardingError("chunks must be a non-empty list of tensors, one per CP rank in "
+                            f"rank order; got {type(chunks).__name__}")
+    first = chunks[0]
+    for r, chunk in enumerate(chunks):
+        if (chunk.dim() != first.dim() or chunk.dim() <= dim
+                or chunk.shape[:dim] + chunk.shape[dim + 1:]
+                != first.shape[:dim] + first.shape[dim + 1:]
+                or chunk.dtype != first.dtype or chunk.device != first.device):
+            raise ShardingError(f"chunk {r} is {list(chunk.shape)} {chunk.dtype} on "
+                                f"{chunk.device}, chunk 0 {list(first.shape)} {first.dtype} "
+                                f"on {first.device}: the chunks differ only in sequence length")
 
 
 def gather_from_cp(
@@ -264,13 +359,17 @@ def pad_thd(
     (``2*cp_size`` zigzag, ``cp_size`` contiguous).
 
     Returns the padded tensor (zeros after each sequence) and its ``cu_seqlens_padded``.
+    ``cu_seqlens`` must cover exactly the tokens of ``x`` (:func:`cu_seqlens_values`).
     """
-    lengths = seq_lengths(cu_seqlens)
+    check_cp_size(cp_size)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ShardingError("x must be a tensor [t, ...] of packed tokens")
+    src = cu_seqlens_values(cu_seqlens, "cu_seqlens", tokens=x.shape[0])
+    lengths = [b - a for a, b in zip(src[:-1], src[1:])]
     padded = [padded_length(n, cp_size, cp_partition_mode=cp_partition_mode) for n in lengths]
     cu_pad = torch.zeros(len(padded) + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     cu_pad[1:] = torch.tensor(padded, dtype=cu_seqlens.dtype).cumsum(0)
     out = x.new_zeros((int(cu_pad[-1]), *x.shape[1:]))
-    src = [int(v) for v in cu_seqlens.tolist()]
     for i, n in enumerate(lengths):
         out[int(cu_pad[i]) : int(cu_pad[i]) + n] = x[src[i] : src[i] + n]
     return out, cu_pad

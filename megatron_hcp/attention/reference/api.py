@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...config import CP_COMM_TYPES
-from ...sharding import DEFAULT_CP_PARTITION_MODE, check_partition_mode, seq_lengths
+from ...sharding import (
+    DEFAULT_CP_PARTITION_MODE,
+    check_cu_seqlens_tensor,
+    check_partition_mode,
+    seq_lengths,
+)
 from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
 from .fused import fused_mode
 from .packing import packing_lengths
@@ -188,6 +194,10 @@ def local_attention(
     one masked token appended internally (the kernels split every sequence in two halves), and
     the output keeps the input's tokens only.
     """
+    _check_tensors(q, k, v, softmax_scale)
+    _check_packing_tensors(qkv_format, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                           cu_seqlens_q_padded=cu_seqlens_q_padded,
+                           cu_seqlens_kv_padded=cu_seqlens_kv_padded)
     if qkv_format == "thd" and cu_seqlens_q is not None:
         padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
         padded_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
@@ -206,6 +216,41 @@ def local_attention(
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, softmax_scale,
         check_window(window_size), softmax_offset, attention_bias,
     )
+
+
+def _check_packing_tensors(qkv_format: str, **cu_seqlens: torch.Tensor | None) -> None:
+    """Every ``cu_seqlens`` given with ``thd`` checked as a tensor before anything reads it
+    (:func:`~megatron_hcp.sharding.check_cu_seqlens_tensor`; its values are checked where they
+    are read on the host, once per packing: :mod:`.packing`)."""
+    if qkv_format == "thd":
+        for name, cu in cu_seqlens.items():
+            if cu is not None:
+                check_cu_seqlens_tensor(cu, name)
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> None:
+    """q, k, v are floating tensors of one dtype on one device with head dims >= 1, and the
+    softmax scale (where given) a finite number > 0: anything else fails deep inside a kernel
+    or returns NaN."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CPAttentionError(f"{name} is {kind}: q, k and v must be floating-point "
+                                   "tensors")
+        if t.dim() and t.shape[-1] < 1:
+            raise CPAttentionError(f"{name} has head dim {t.shape[-1]} ({list(t.shape)}): "
+                                   "must be >= 1")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise CPAttentionError(
+            f"q, k, v are {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}: "
+            "they must share one dtype and one device (cast them, as the model's projection "
+            "does)")
+    if softmax_scale is not None and (
+            isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise CPAttentionError(f"softmax_scale={softmax_scale!r}: must be a finite number > 0 "
+                               "(None: 1/sqrt(head dim)); 0, a negative or NaN scale gives NaN "
+                               "or meaningless attention")
 
 
 def _even_thd_layout(cu_padded: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -292,6 +337,10 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
                mode: str = DEFAULT_CP_PARTITION_MODE) -> torch.Tensor:
     if qkv_format not in ("bshd", "sbhd", "thd"):
         raise CPAttentionError(f"qkv_format={qkv_format!r}: use one of bshd, sbhd, thd")
+    _check_tensors(q, k, v, softmax_scale)
+    _check_packing_tensors(qkv_format, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                           cu_seqlens_q_padded=cu_seqlens_q_padded,
+                           cu_seqlens_kv_padded=cu_seqlens_kv_padded)
     fused_mode()  # MEGATRON_HCP_FUSED_OPS, _SPLIT_PACKED and _VARLEN checked before any
     split_mode()  # communication
     varlen_mode()
