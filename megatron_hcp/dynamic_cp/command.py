@@ -9,12 +9,9 @@ import sys
 from typing import Any
 
 from ..command_line import Sizes, UsageError, one_line, output_file, read_lengths, typed
+from .scheduler import SCHEDULE_MAX_DP_CP, SCHEDULE_MAX_VPP
 
 __all__ = ["SCHEDULE_MAX_DP_CP", "add_parsers"]
-
-# the schedule command's DPxCP group: its cost grows with the ranks (an aligned-block sweep per
-# micro-batch); measured with 65536 sequences: 16384 ranks 52 s, 131072 ranks 88-100 s
-SCHEDULE_MAX_DP_CP = 16384
 
 _TWO_LINK_FLAGS = ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_latency_us",
                    "inter_latency_us")
@@ -178,7 +175,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max-seqlen-per-rank", type=typed("seqlen", "--max-seqlen-per-rank"),
                    required=True)
     p.add_argument("--min-cp-size", type=size, default=1)
-    p.add_argument("--vpp", type=typed("int", minimum=1, maximum=1024), default=1)
+    p.add_argument("--vpp", type=typed("int", minimum=1, maximum=SCHEDULE_MAX_VPP), default=1)
     p.add_argument("--cost", choices=["flops", "seq_squared"], default="flops")
     p.add_argument("--hidden", type=typed("width", "--hidden"), default=4096)
     p.add_argument("--layers", type=typed("int", "--layers", minimum=0,

@@ -54,12 +54,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import CPConfigError, dynamic_levels, is_power_of_two, parse_int
+from ..config import (
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    CPConfigError,
+    dynamic_levels,
+    is_power_of_two,
+    parse_int,
+)
 from ..sharding import layout_unit
 from .projection import Cluster, Hardware, group_pricer
 from .workload import GPTWorkload, ScheduleError, min_group_size, tokens_per_rank
 
-__all__ = ["Group", "MicroBatch", "Plan", "schedule"]
+__all__ = ["SCHEDULE_MAX_DP_CP", "SCHEDULE_MAX_VPP", "Group", "MicroBatch", "Plan", "schedule"]
 
 # spread rules tried: (slack over the level, capped at a token-full rank's cost)
 _SPREAD_RULES = ((1.5, True), (2.0, False), (math.inf, True))
@@ -109,6 +116,37 @@ class Plan:
             "notes": list(self.notes),
             "summary": self.summary,
         }
+
+
+# the DPxCP group one schedule plans: its cost grows with the ranks (an aligned-block sweep per
+# micro-batch); measured with 65536 sequences: 16384 ranks 52 s, 131072 ranks 88-100 s
+# (benchmarks/input_limits.py); the API and `megatron-hcp schedule` share it
+SCHEDULE_MAX_DP_CP = 16384
+SCHEDULE_MAX_VPP = 1024  # virtual pipeline stages (the CLI's --vpp bound)
+
+
+def _read_inputs(lengths, dp_cp, max_seqlen_per_rank, min_cp_size, vpp
+                 ) -> tuple[list[int], int, int, int, int]:
+    """The inputs of :func:`schedule` by the project's one strict parser, within the bounds
+    ``megatron-hcp schedule`` applies (nothing is coerced: 100.7, "200" and True are not
+    lengths): at most MAX_SEQUENCES lengths of 1..MAX_SEQ_LENGTH tokens, DPxCP up to
+    SCHEDULE_MAX_DP_CP, the cap up to MAX_SEQ_LENGTH, vpp up to SCHEDULE_MAX_VPP."""
+    try:
+        if not isinstance(lengths, Sequence) or isinstance(lengths, (str, bytes)):
+            raise ScheduleError(f"lengths is a {type(lengths).__name__}: give a list of "
+                                "sequence lengths (one global batch)")
+        if len(lengths) > MAX_SEQUENCES:
+            raise ScheduleError(f"lengths holds {len(lengths)} sequences, over the limit of "
+                                f"{MAX_SEQUENCES} per global batch; give one global batch")
+        return ([parse_int(x, f"lengths[{i}]", minimum=1, maximum=MAX_SEQ_LENGTH, text=False)
+                 for i, x in enumerate(lengths)],
+                parse_int(dp_cp, "dp_cp", minimum=1, maximum=SCHEDULE_MAX_DP_CP, text=False),
+                parse_int(max_seqlen_per_rank, "max_seqlen_per_rank", minimum=1,
+                          maximum=MAX_SEQ_LENGTH, text=False),
+                parse_int(min_cp_size, "min_cp_size", minimum=1, text=False),
+                parse_int(vpp, "vpp", minimum=1, maximum=SCHEDULE_MAX_VPP, text=False))
+    except CPConfigError as err:
+        raise ScheduleError(str(err.violations[0])) from None
 
 
 def _check_inputs(lengths, n, cap, min_cp_size, vpp) -> None:
@@ -508,14 +546,8 @@ def schedule(
     CP (``hierarchical_context_parallel_sizes[0]``); a group of ``c`` ranks is then priced as
     a2a over ``min(c, a)`` plus a ring over ``c / min(c, a)``. None: flat dynamic CP.
     """
-    try:  # the project's one strict parser: 100.7, "200" and True are not lengths
-        lengths = [parse_int(x, f"lengths[{i}]", text=False) for i, x in enumerate(lengths)]
-        n = parse_int(dp_cp, "dp_cp", text=False)
-        cap = parse_int(max_seqlen_per_rank, "max_seqlen_per_rank", text=False)
-        min_cp_size = parse_int(min_cp_size, "min_cp_size", text=False)
-        vpp = parse_int(vpp, "vpp", text=False)
-    except CPConfigError as err:
-        raise ScheduleError(str(err.violations[0])) from None
+    lengths, n, cap, min_cp_size, vpp = _read_inputs(lengths, dp_cp, max_seqlen_per_rank,
+                                                     min_cp_size, vpp)
     _check_inputs(lengths, n, cap, min_cp_size, vpp)
     model = workload or GPTWorkload()
     if hardware is not None and model.mode != "flops":

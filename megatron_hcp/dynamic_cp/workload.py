@@ -52,6 +52,16 @@ def min_group_size(length: int, cap: int, world: int, min_size: int = 1,
             return size
         size *= 2
     held = tokens_per_rank(length, world, cp_partition_mode)
+    if -(-length // world) <= cap:  # enough ranks for the tokens: padding is the cause
+        sizes = [1 << i for i in range(world.bit_length()) if 1 << i >= max(1, min_size)]
+        least = min(tokens_per_rank(length, c, cp_partition_mode) for c in sizes or [world])
+        raise ScheduleError(
+            f"a sequence of {length} tokens, padded as the {cp_partition_mode} layout cuts it "
+            f"(a multiple of {'twice ' if cp_partition_mode == 'zigzag' else ''}the group "
+            f"size), "
+            f"holds at least {least} tokens per rank on any group of up to {world} ranks, over "
+            f"max_seqlen_per_dp_cp_rank={cap}: the padding, not the number of ranks, is the "
+            f"cause; raise the cap to >= {least}")
     raise ScheduleError(
         f"a sequence of {length} tokens needs more than {world} ranks at "
         f"max_seqlen_per_dp_cp_rank={cap} (it would hold {held} per "

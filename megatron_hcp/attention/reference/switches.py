@@ -14,6 +14,7 @@ import contextvars
 import os
 from collections.abc import Iterator
 
+from ...config.errors import brief
 from .seq_layout import CPAttentionError
 
 __all__ = ["Switch"]
@@ -38,8 +39,8 @@ class Switch:
         value = os.environ.get(self.variable, self.modes[0])
         mode = value.strip().lower()
         if mode not in self.modes:
-            raise CPAttentionError(f"{self.variable}={value!r}: use {self.choices}; unset it "
-                                   f"for {self.modes[0]}")
+            raise CPAttentionError(f"{self.variable}={brief(value)}: use {self.choices}; unset "
+                                   f"it for {self.modes[0]}")
         return mode
 
     @contextlib.contextmanager
@@ -48,7 +49,7 @@ class Switch:
         variable (the benchmarks measure both ways in one run)."""
         choice = mode.strip().lower()  # as the environment variable is read
         if choice not in self.modes:
-            raise CPAttentionError(f"{self.name} mode {mode!r}: use one of "
+            raise CPAttentionError(f"{self.name} mode {brief(mode)}: use one of "
                                    f"{', '.join(self.modes)} ({self.variable})")
         token = self._chosen.set(choice)
         try:
