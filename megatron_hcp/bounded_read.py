@@ -10,8 +10,8 @@ before any parsing that could recurse or allocate without bound:
 * nesting deeper than :data:`MAX_DEPTH` (measured on the text: a 100000-deep list is refused,
   not a ``RecursionError``);
 * integers outside +-(2**63 - 1) and (by default) non-finite numbers (``NaN``, ``Infinity``,
-  ``1e400``): they overflow or compare wrongly later; a JSON key repeated in one object (the
-  last would win silently);
+  ``1e400``): they overflow or compare wrongly later; a key repeated in one JSON object or
+  YAML mapping (the last would win silently);
 * YAML tags of Python objects (``yaml.safe_load``), more than :data:`MAX_YAML_ALIASES`
   aliases, and documents whose aliases expand to more than :data:`MAX_YAML_NODES` nodes (an
   alias counts the whole node it names: a "billion laughs" document is refused from its event
@@ -187,6 +187,31 @@ def _yaml_shape(text: str, name: str, path: str | os.PathLike, max_depth: int) -
     open_sizes: list[tuple[int, str | None]] = []
     anchored: dict[str, int] = {}
     total = 0
+    # per open collection: the keys of a mapping so far and whether its next node is a key
+    # (None for a sequence)
+    keys: list[tuple[dict[str, int], list[bool]] | None] = []
+
+    def node(event: Any) -> None:
+        """A node starts: in a mapping where a key is due, a plain key seen before is refused
+        (``yaml.safe_load`` would keep the last value silently)."""
+        frame = keys[-1] if keys else None
+        if frame is None or not frame[1][0] or not isinstance(event, yaml.ScalarEvent):
+            return
+        if event.value == "<<" and event.tag is None:
+            return  # a merge key: its values are defaults, overridden on purpose
+        line = event.start_mark.line + 1
+        if event.value in frame[0]:
+            shown = event.value if len(event.value) <= 40 else event.value[:37] + "..."
+            raise InputFileError(name, path, f"has the key {shown!r} twice in one mapping "
+                                 f"(lines {frame[0][event.value]} and {line}; the last would "
+                                 "silently win)", "keep one of them")
+        frame[0][event.value] = line
+
+    def done() -> None:
+        """A node ended: in a mapping, a key is followed by its value and a value by a key."""
+        frame = keys[-1] if keys else None
+        if frame is not None:
+            frame[1][0] = not frame[1][0]
 
     def add(size: int) -> None:
         nonlocal total
@@ -201,20 +226,28 @@ def _yaml_shape(text: str, name: str, path: str | os.PathLike, max_depth: int) -
 
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            node(event)
             open_sizes.append((1, event.anchor))
+            keys.append(({}, [True]) if isinstance(event, yaml.MappingStartEvent) else None)
             if len(open_sizes) > max_depth:
                 raise InputFileError(name, path, f"nests lists or mappings deeper than the "
                                      f"limit of {max_depth} levels", "give a flat file")
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             size, anchor = open_sizes.pop()
+            keys.pop()
+            done()
             if anchor is not None:
                 anchored[anchor] = size
             add(size)
         elif isinstance(event, yaml.ScalarEvent):
+            node(event)
+            done()
             if event.anchor is not None:
                 anchored[event.anchor] = 1
             add(1)
         elif isinstance(event, yaml.AliasEvent):
+            node(event)
+            done()
             aliases += 1
             if aliases > MAX_YAML_ALIASES:
                 raise InputFileError(name, path, f"has more than {MAX_YAML_ALIASES} YAML "

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BRIEF", "CPConfigError", "Violation", "brief"]
+__all__ = ["BRIEF", "CPConfigError", "Violation", "brief", "closest"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,18 @@ def brief(value: Any, limit: int = BRIEF) -> str:
     except ValueError:  # an integer beyond Python's int-to-text limit
         return "<an integer of over 4000 digits>"
     return text if len(text) <= limit else f"{text[:limit - 22]}... ({len(text)} characters)"
+
+
+def closest(name: Any, choices: Sequence[str]) -> str:
+    """The fix for an unknown name: the valid one closest to it (in any case), else the list."""
+    import difflib
+
+    folded = {choice.lower(): choice for choice in choices}
+    text = str(name)[:BRIEF].lower()
+    hits = difflib.get_close_matches(text, list(folded), n=1, cutoff=0.6)
+    listed = ", ".join(choices)
+    return f"did you mean {folded[hits[0]]}? (one of {listed})" if hits else (
+        f"use one of {listed}")
 
 
 class CPConfigError(ValueError):

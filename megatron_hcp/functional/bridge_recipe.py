@@ -34,16 +34,20 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, parse_value
+from ..config.errors import closest
+from .allowances import Allowed
 
-__all__ = ["BRIDGE_WORKER", "BridgeRecipe", "bridge_available", "build_bridge_config",
-           "load_bridge_recipe"]
+__all__ = ["BRIDGE_WORKER", "RECIPE_MODULES", "BridgeRecipe", "bridge_available",
+           "build_bridge_config", "check_recipe_function", "load_bridge_recipe"]
 
 BRIDGE_WORKER = "megatron_hcp.functional.bridge_worker"
 ENTRIES = ("pretrain", "finetune")
@@ -53,6 +57,11 @@ DEV_DYNAMIC_FIELDS = ("dynamic_context_parallel", "min_dynamic_context_parallel_
 # provider; cp_partition_mode is upstream's TransformerConfig field for the CP layout)
 DEV_FIELDS = (*DEV_DYNAMIC_FIELDS, "cp_partition_mode")
 _CP_FIELDS = frozenset(CPConfig.field_names()) - {"data_parallel_size"}
+# where a BRIDGE.recipe function may come from without --allow-recipe-module: the project's
+# recipes and Bridge's (a module and its submodules); every rank calls the function
+RECIPE_MODULES = ("megatron_hcp.bridge.recipes", "megatron.bridge.recipes")
+_DEFAULT_MODULE = RECIPE_MODULES[0]
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def bridge_available() -> str | None:
@@ -81,12 +90,13 @@ class BridgeRecipe:
     steps: int
     args: dict[str, Any] = field(default_factory=dict)
     worker: str = BRIDGE_WORKER
+    allowed: Allowed = Allowed()  # what the caller allowed (handed to every rank)
 
     def golden_path(self, environment: str = "dev", platform: str = "cpu_gloo") -> Path:
         return self.path / f"golden_values_{environment}_{platform}.json"
 
     def worker_args(self, work_dir: str) -> list[str]:
-        return ["--work-dir", work_dir]
+        return ["--work-dir", work_dir, *self.allowed.worker_flags()]
 
     def cache_key(self, steps: int) -> str:
         return repr((self.recipe, sorted(self.recipe_args.items()), self.config_file,
@@ -117,22 +127,25 @@ class BridgeRecipe:
         generated data; ``platform`` picks the distributed backend."""
         return build_bridge_config(self.recipe, self.recipe_args, self.overrides,
                                    config_file=self.config_file, steps=steps,
-                                   work_dir=work_dir, platform=platform)
+                                   work_dir=work_dir, platform=platform,
+                                   allowed_modules=self.allowed.recipe_modules)
 
 
 def build_bridge_config(recipe: str, recipe_args: dict[str, Any], overrides: Iterable[str],
                         *, config_file: Path | None = None, steps: int | None = None,
-                        work_dir: str | None = None, platform: str = "cpu_gloo") -> Any:
+                        work_dir: str | None = None, platform: str = "cpu_gloo",
+                        allowed_modules: Iterable[str] = ()) -> Any:
     """Bridge's ``ConfigContainer``: the recipe function (``recipe_args``; ``data_dir`` under
     ``work_dir`` where it takes one), the distributed backend of ``platform`` (gloo on
     ``cpu_gloo``, NCCL on ``gpu_nccl``), then ``config_file`` and ``overrides`` through Bridge's
     own ``process_config_with_overrides`` - except the development-branch dynamic-CP names the
-    model config has no field for, which are set on the provider (module docstring)."""
+    model config has no field for, which are set on the provider (module docstring). The
+    recipe function must come from :data:`RECIPE_MODULES` or ``allowed_modules``."""
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from .launch import BACKENDS
 
-    function = _recipe_function(recipe)
+    function = _recipe_function(recipe, allowed_modules)
     kwargs = dict(recipe_args)
     if "data_dir" in _parameters(function) and "data_dir" not in kwargs:
         kwargs["data_dir"] = os.path.join(work_dir or ".", "data")
@@ -163,16 +176,50 @@ def _parameters(function: Any) -> set[str]:
     return set(inspect.signature(function).parameters)
 
 
-def _recipe_function(spec: str) -> Any:
+def _within(module: str, roots: Iterable[str]) -> bool:
+    return any(module == root or module.startswith(root + ".") for root in roots)
+
+
+def check_recipe_function(spec: Any, allowed_modules: Iterable[str] = ()) -> tuple[str, str]:
+    """``(module, name)`` of ``BRIDGE.recipe`` (``name``: in the project's recipes, or
+    ``module:function``), refused unless the module is one of :data:`RECIPE_MODULES` (or a
+    submodule) or named in ``allowed_modules`` and the name is a public identifier. Reads the
+    text only: nothing is imported, so a recipe is refused before any rank starts."""
+    spec = parse_value(spec, "str", "BRIDGE.recipe")
     module, _, name = spec.rpartition(":")
-    if not module:
-        module, name = "megatron_hcp.bridge.recipes", spec
+    module = module or _DEFAULT_MODULE
+    allowed = tuple(allowed_modules)
+    if not _DOTTED.fullmatch(module) or not name.isidentifier() or name.startswith("_"):
+        raise CPConfigError([Violation("BRIDGE.recipe", spec, "must be a recipe function: "
+                                       "name or package.module:function (public names)",
+                                       "e.g. megatron.bridge.recipes.llama.llama3:"
+                                       "llama32_1b_pretrain_config")])
+    if not _within(module, RECIPE_MODULES) and module not in allowed:
+        raise CPConfigError([Violation(
+            "BRIDGE.recipe", spec, f"names a function of {module}, outside the recipe modules "
+            f"({', '.join(m + '.*' for m in RECIPE_MODULES)}); every rank would call it",
+            f"use a recipe function of those modules, or allow the module explicitly: "
+            f"functional run --allow-recipe-module {module}")])
+    return module, name
+
+
+def _recipe_function(spec: str, allowed_modules: Iterable[str] = ()) -> Any:
+    """The recipe function ``spec`` names (:func:`check_recipe_function`): a function defined
+    in its module (not one the module imported from elsewhere)."""
+    module, name = check_recipe_function(spec, allowed_modules)
     try:
         function = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
         raise CPConfigError([Violation("BRIDGE.recipe", spec, f"names no recipe function ({err})",
                                        "give a name in megatron_hcp.bridge.recipes or "
                                        "module:function")]) from None
+    home = getattr(function, "__module__", None) or ""
+    if not inspect.isfunction(function) or not (
+            _within(home, RECIPE_MODULES) or home in tuple(allowed_modules)):
+        raise CPConfigError([Violation(
+            "BRIDGE.recipe", spec, f"is not a function defined in a recipe module (it is "
+            f"{type(function).__name__} from {home or 'nowhere'})",
+            "name the recipe function where it is defined")])
     return function
 
 
@@ -212,7 +259,7 @@ def _overrides_config(overrides: Iterable[str], nproc: int) -> tuple[CPConfig, i
 
 
 def load_bridge_recipe(root: Path, doc: dict[str, Any], env: dict[str, str], test_type: str,
-                       nproc: int) -> BridgeRecipe:
+                       nproc: int, allowed: Allowed | None = None) -> BridgeRecipe:
     """A :class:`BridgeRecipe` from a parsed ``model_config.yaml`` (its ``BRIDGE`` section)."""
     section = doc.get("BRIDGE")
     if not isinstance(section, dict):
@@ -222,8 +269,10 @@ def load_bridge_recipe(root: Path, doc: dict[str, Any], env: dict[str, str], tes
     unknown = sorted(set(section) - known)
     if unknown:
         raise CPConfigError([Violation(f"BRIDGE.{k}", section[k], "is not a key of BRIDGE",
-                                       f"use {', '.join(sorted(known))}") for k in unknown])
+                                       closest(k, sorted(known))) for k in unknown])
     recipe = parse_value(section.get("recipe"), "str", "BRIDGE.recipe")
+    allowed = allowed or Allowed()
+    check_recipe_function(recipe, allowed.recipe_modules)
     entry = parse_value(section.get("entry", "pretrain"), "str", "BRIDGE.entry")
     if entry not in ENTRIES:
         raise CPConfigError([Violation("BRIDGE.entry", entry, "is not a Bridge entry point",
@@ -254,4 +303,4 @@ def load_bridge_recipe(root: Path, doc: dict[str, Any], env: dict[str, str], tes
     return BridgeRecipe(name=root.name, path=root, env=env, test_type=test_type, nproc=nproc,
                         entry=entry, recipe=recipe, recipe_args=dict(args),
                         config_file=config_file, overrides=tuple(overrides), config=config,
-                        steps=steps, args={"BRIDGE": section})
+                        steps=steps, args={"BRIDGE": section}, allowed=allowed)

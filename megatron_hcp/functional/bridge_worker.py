@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import init_rank_process_group, require_runnable
     from .recipe import load_recipe
 
-    recipe = load_recipe(opts.recipe)
+    allowed = {"allow_env": opts.allow_env, "allow_recipe_modules": opts.allow_recipe_module}
+    recipe = load_recipe(opts.recipe, **allowed)
     if opts.cp1:
         recipe = recipe.with_cp1()
     require_runnable(opts.platform)
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         history = train_bridge_recipe(
             recipe, opts.platform, opts.work_dir, steps=opts.steps,
             checkpoint_dir=opts.checkpoint_dir, save_at=opts.save_at,
-            resume_from=opts.resume_from, base=load_recipe(opts.recipe), progress=progress)
+            resume_from=opts.resume_from, base=load_recipe(opts.recipe, **allowed),
+            progress=progress)
         if dist.get_rank() == 0:
             with open(opts.out, "w", encoding="utf-8") as fh:
                 json.dump(_metrics(history, opts.resume_from or 0), fh, indent=1)

@@ -12,7 +12,7 @@ from ..command_line import UsageError, one_line, typed
 __all__ = ["add_parsers"]
 
 
-def _load_named_recipe(name: str, allow_env: list[str]) -> tuple[Any, str | None]:
+def _load_named_recipe(name: str, args: argparse.Namespace) -> tuple[Any, str | None]:
     """A recipe by name, and why it cannot run here (a Bridge recipe without Bridge) or None;
     a missing or invalid recipe is a UsageError."""
     from ..config import CPConfigError
@@ -21,7 +21,8 @@ def _load_named_recipe(name: str, allow_env: list[str]) -> tuple[Any, str | None
     from .recipe import load_recipe
 
     try:
-        recipe = load_recipe(recipe_dir(name), allow_env=allow_env)
+        recipe = load_recipe(recipe_dir(name), allow_env=args.allow_env,
+                             allow_recipe_modules=args.allow_recipe_module)
     except FileNotFoundError as err:
         raise UsageError(one_line(err)) from None
     except CPConfigError as err:
@@ -39,7 +40,7 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
     recipes = []
     args.skipped = []  # Bridge recipes of `compare` (all recipes) where Bridge is missing
     for name in names:
-        recipe, missing = _load_named_recipe(name, args.allow_env)
+        recipe, missing = _load_named_recipe(name, args)
         if missing and args.names:
             raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
         if missing:
@@ -47,6 +48,7 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
             continue
         recipes.append(recipe)
     args.launch = _launch(args, recipes)
+    _preflight(recipes, args.launch.platform, args.launch.nnodes)
     _check_goldens(recipes, args.launch.platform,
                    read=args.functional_command in ("run", "compare"))  # update replaces
     if getattr(args, "plot", None):
@@ -57,6 +59,26 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
         except OutputPathError as err:
             raise UsageError(str(err)) from None
     return recipes
+
+
+def _preflight(recipes: list[Any], platform: str, nnodes: int = 1) -> None:
+    """What every rank would find only after starting (:mod:`.preflight`): the switches in
+    this environment, and each ``MODEL_ARGS`` recipe's memory on this node (CPU runs)."""
+    import os
+
+    from ..config import CPConfigError
+    from .preflight import check_memory, rank_environment_problems
+    from .recipe import Recipe
+
+    problems = rank_environment_problems(os.environ, "the environment")
+    if problems:
+        raise UsageError(one_line(CPConfigError(problems)))
+    for recipe in recipes:
+        if isinstance(recipe, Recipe) and platform == "cpu_gloo":
+            try:
+                check_memory(recipe, recipe.nproc // nnodes)
+            except CPConfigError as err:
+                raise UsageError(one_line(err)) from None
 
 
 def _check_goldens(recipes: list[Any], platform: str, *, read: bool) -> None:
@@ -109,13 +131,14 @@ def _audit_recipes(args: argparse.Namespace) -> list[Any]:
 
     recipes = []
     for name in args.names:
-        recipe, missing = _load_named_recipe(name, args.allow_env)
+        recipe, missing = _load_named_recipe(name, args)
         if missing:
             raise UsageError(f"recipe {name!r} trains with Megatron-Bridge's loop and {missing}")
         if args.rank is not None and args.rank >= recipe.nproc:
             raise UsageError(f"--rank {args.rank}: recipe {name!r} runs on {recipe.nproc} ranks; "
                              f"give a rank in 0..{recipe.nproc - 1}")
         recipes.append(recipe)
+    _preflight(recipes, args.platform)  # the audit's ranks run on this CPU machine
     return recipes
 
 
@@ -205,8 +228,7 @@ def add_parsers(sub: Any) -> None:
     fn_sub = fn.add_subparsers(dest="functional_command", required=True)
     p = fn_sub.add_parser("list", help="the recipes")
     p.set_defaults(func=_functional)
-    allow_env = dict(action="append", default=[], metavar="NAME",
-                     help="let the recipe's ENV_VARS set this loader variable (e.g. LD_PRELOAD)")
+    from .allowances import add_arguments
     for cmd, text in (("run", "run recipes and compare them (golden values, CP=1)"),
                       ("compare", "run and compare every recipe (or the named ones)")):
         p = fn_sub.add_parser(cmd, help=text)
@@ -217,7 +239,7 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--plot", default=None, metavar="DIR",
                        help="write DIR/<recipe>.png: lm loss of the run, golden values, CP=1 "
                             "run and the resume point")
-        p.add_argument("--allow-env", **allow_env)
+        add_arguments(p)
         _launch_arguments(p)
         p.set_defaults(func=_functional, check=_recipes)
     p = fn_sub.add_parser(
@@ -230,10 +252,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--platform", choices=["gpu_nccl", "cpu_gloo"], default="gpu_nccl",
                    help="gpu_nccl (default): the GPU run, device mixes; cpu_gloo: the CPU run "
                         "on a machine with CUDA, which must never use CUDA")
-    p.add_argument("--allow-env", **allow_env)
+    add_arguments(p)
     p.set_defaults(func=_audit, check=_audit_recipes)
     p = fn_sub.add_parser("update-golden", help="regenerate golden values; say what changed")
     p.add_argument("names", nargs="+")
-    p.add_argument("--allow-env", **allow_env)
+    add_arguments(p)
     _launch_arguments(p)
     p.set_defaults(func=_functional, check=_recipes)

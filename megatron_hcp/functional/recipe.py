@@ -24,20 +24,35 @@ from pathlib import Path
 from typing import Any
 
 from ..bounded_read import InputFileError, read_yaml
-from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, fields_read_by, parse_value
+from ..config import (
+    FIELD_KINDS,
+    MAX_SEQ_LENGTH,
+    CPConfig,
+    CPConfigError,
+    Violation,
+    fields_read_by,
+    parse_float,
+    parse_value,
+)
+from ..config.errors import closest
 from ..data import data_dir
 from ..training.data import CORPORA
 from ..training.trainer import TinyGPTSpec, VarLen
+from .allowances import Allowed
 from .bridge_recipe import BridgeRecipe, load_bridge_recipe
+from .preflight import rank_environment_problems
 
-__all__ = ["LOADER_ENV_VARS", "Recipe", "RECIPES_DIR", "TEST_TYPES", "list_recipes",
-           "load_recipe"]
+__all__ = ["LOADER_ENV_VARS", "RECIPE_KEYS", "Recipe", "RECIPES_DIR", "TEST_TYPES",
+           "list_recipes", "load_recipe"]
 
 RECIPES_DIR = data_dir("recipes")
 PLATFORM = "cpu_gloo"
 ENVIRONMENT = "dev"
 
 TEST_TYPES = ("regular", "ckpt-resume")
+# the top-level keys of model_config.yaml (any other, e.g. a misspelt MODEL_ARG, is refused:
+# it would otherwise train the default model)
+RECIPE_KEYS = ("ENV_VARS", "NPROC", "TEST_TYPE", "MODEL_ARGS", "BRIDGE")
 # environment variables that load other code into the ranks (refused unless allowed)
 LOADER_ENV_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE",
                    "PYTHONUSERBASE", "BASH_ENV", "ENV")
@@ -74,6 +89,11 @@ _SPEC_FLAGS: dict[str, tuple[str | None, str]] = {
     "--mock-samples-per-micro-batch": (None, "sequences"),
     "--mock-corpus": (None, "str"),  # motif (default) or markov: a corpus the model learns
 }
+# the ranges of the float flags (inclusive maximum, exclusive 0): a learning rate above 1 moves
+# every weight by more than its initial scale each Adam step; a lognormal sigma above 4 puts
+# the 99th percentile over 10^4 x the median, where clipping to min/max decides every length
+_FLOAT_RANGES: dict[str, float] = {"--lr": 1.0, "--mock-mean-seqlen": float(MAX_SEQ_LENGTH),
+                                   "--mock-seqlen-sigma": 4.0}
 _CP_RECIPE_FIELDS = fields_read_by("recipe")  # the one field table (config.values.FIELDS)
 _FLAGS: dict[str, tuple[str | None, str]] = {
     **{f"--{name.replace('_', '-')}": (name, FIELD_KINDS[name]) for name in _CP_RECIPE_FIELDS},
@@ -118,6 +138,14 @@ def _combinations(values: dict[str, Any]) -> list[Violation]:
             "takes effect only with --group-query-attention: true (megatron runs plain "
             "multi-head attention without it)", "add --group-query-attention: true, or remove "
             "--num-query-groups"))
+    mean = values.get("--mock-mean-seqlen")
+    low, high = values.get("--mock-min-seqlen", 16), values.get("--mock-max-seqlen", 256)
+    if varlen and low > high:
+        out.append(Violation("--mock-min-seqlen", low, f"must be <= --mock-max-seqlen ({high})",
+                             "swap or correct the two lengths"))
+    elif varlen and mean is not None and not low <= mean <= high:
+        out.append(Violation("--mock-mean-seqlen", mean, f"must lie between --mock-min-seqlen "
+                             f"({low}) and --mock-max-seqlen ({high})", "set it in that range"))
     limit = values.get("--max-position-embeddings")
     longest = (values.get("--mock-max-seqlen", 256) if varlen
                else values.get("--seq-length"))
@@ -140,6 +168,7 @@ class Recipe:
     spec: TinyGPTSpec
     decentralized: bool = False
     worker: str = "megatron_hcp.functional.worker"  # the module torchrun starts per rank
+    allowed: Allowed = Allowed()  # what the caller allowed (handed to every rank)
 
     @property
     def config(self) -> CPConfig:
@@ -156,7 +185,7 @@ class Recipe:
                      self.decentralized, self.nproc))
 
     def worker_args(self, work_dir: str) -> list[str]:
-        return []
+        return self.allowed.worker_flags()
 
     @property
     def nproc(self) -> int:
@@ -186,7 +215,10 @@ class Recipe:
 def _convert(flag: str, raw: Any, kind: str) -> Any:
     if kind.lstrip("?") == _BOOL and raw in (None, ""):
         return True  # a bare switch (``--mock-data:``)
-    return parse_value(raw, kind, flag, text=False)  # YAML values are typed
+    value = parse_value(raw, kind, flag, text=False)  # YAML values are typed
+    if flag in _FLOAT_RANGES:
+        return parse_float(value, flag, above=0.0, maximum=_FLOAT_RANGES[flag])
+    return value
 
 
 def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
@@ -210,9 +242,16 @@ def _check_env(env: Any, allow_env: Iterable[str]) -> dict[str, str]:
                 f"remove it, or allow it explicitly: functional run --allow-env {name}"))
         else:
             out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    problems += rank_environment_problems(out, "ENV_VARS")
     if problems:
         raise CPConfigError(problems)
     return out
+
+
+def _shown(key: Any) -> str:
+    """A key as an error names it: as written where it is plain printable ASCII, else escaped
+    (a terminal may not print it)."""
+    return key if isinstance(key, str) and key.isascii() and key.isprintable() else ascii(key)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -227,18 +266,25 @@ def _read_yaml(path: Path) -> dict:
     return doc
 
 
-def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
-                ) -> Recipe | BridgeRecipe:
+def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = (),
+                allow_recipe_modules: Iterable[str] = ()) -> Recipe | BridgeRecipe:
     """Parse ``<path>/model_config.yaml`` (``yaml.safe_load``) into a validated recipe: a
     ``MODEL_ARGS`` recipe (the project's trainer) or a ``BRIDGE`` recipe (Megatron-Bridge's own
     loop, :mod:`.bridge_recipe`).
 
     ``allow_env`` names loader variables (:data:`LOADER_ENV_VARS`, ``LD_*``, ``DYLD_*``) the
-    recipe's ``ENV_VARS`` may set.
+    recipe's ``ENV_VARS`` may set; ``allow_recipe_modules`` modules a ``BRIDGE.recipe`` may
+    name a function of, beyond Bridge's and the project's recipe modules
+    (:data:`~.bridge_recipe.RECIPE_MODULES`).
     """
+    allowed = Allowed.of(allow_env, allow_recipe_modules)
     root = Path(path)
     doc = _read_yaml(root / "model_config.yaml")
-    env = _check_env(doc.get("ENV_VARS") or {}, allow_env)
+    unknown_keys = [key for key in doc if key not in RECIPE_KEYS]
+    if unknown_keys:
+        raise CPConfigError([Violation(_shown(key), doc[key], "is not a key of model_config.yaml",
+                                       closest(key, RECIPE_KEYS)) for key in unknown_keys])
+    env = _check_env(doc.get("ENV_VARS") or {}, allowed.env)
     if "NPROC" not in doc:
         raise CPConfigError([Violation("NPROC", None, "the recipe must say how many ranks run it",
                                        "add NPROC: <ranks> to model_config.yaml")])
@@ -252,7 +298,7 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
             raise CPConfigError([Violation("MODEL_ARGS", "...", "a recipe is either MODEL_ARGS "
                                            "(the project's trainer) or BRIDGE (Bridge's loop)",
                                            "keep one of the two sections")])
-        return load_bridge_recipe(root, doc, env, test_type, world)
+        return load_bridge_recipe(root, doc, env, test_type, world, allowed)
     model_args = doc.get("MODEL_ARGS") or {}
     if not isinstance(model_args, dict):
         raise CPConfigError([Violation("MODEL_ARGS", model_args, "must be a mapping of flags",
@@ -260,9 +306,8 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
     args = dict(model_args)
     unknown = [f for f in args if f not in _FLAGS]
     if unknown:
-        raise CPConfigError([Violation(f, args[f], "is not a flag this CPU harness maps",
-                                       f"use one of {', '.join(sorted(_FLAGS))}")
-                             for f in unknown])
+        raise CPConfigError([Violation(_shown(f), args[f], "is not a flag this CPU harness maps",
+                                       closest(f, sorted(_FLAGS))) for f in unknown])
     values, problems = {}, []
     for flag, raw in args.items():
         try:
@@ -310,7 +355,8 @@ def load_recipe(path: str | os.PathLike, *, allow_env: Iterable[str] = ()
     config.validate()
     spec = TinyGPTSpec(config=config, **spec_kwargs)
     return Recipe(name=root.name, path=root, env=env, args=args, test_type=test_type,
-                  spec=spec, decentralized=bool(values.get("--use-decentralized-pg")))
+                  spec=spec, decentralized=bool(values.get("--use-decentralized-pg")),
+                  allowed=allowed)
 
 
 def list_recipes(root: str | os.PathLike = RECIPES_DIR) -> list[str]:

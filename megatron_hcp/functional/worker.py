@@ -16,6 +16,8 @@ import resource
 import sys
 from typing import Any
 
+from .allowances import add_arguments
+
 
 def _cp_group_metrics(histories: list[dict]) -> dict[str, list[float]]:
     """Per step, over every rank's dynamic-CP record: the largest CP group any micro-batch
@@ -65,6 +67,7 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-at", type=int, action="append", default=[])
     parser.add_argument("--resume-from", type=int)
     parser.add_argument("--platform", default="cpu_gloo")
+    add_arguments(parser)  # what the caller allowed the recipe, as the launcher read it
     return parser
 
 
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import init_rank_process_group, require_runnable
     from .recipe import load_recipe
 
-    recipe = load_recipe(opts.recipe)
+    recipe = load_recipe(opts.recipe, allow_env=opts.allow_env,
+                         allow_recipe_modules=opts.allow_recipe_module)
     if opts.cp1:
         recipe = recipe.with_cp1()
     require_runnable(opts.platform)
