@@ -65,7 +65,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("attention and dynamic CP", ("attention", "dynamic_cp", "layers")),
     ("patches", ("patching",)),
     ("clients", ("training", "bridge")),
-    ("tools", ("functional", "planner")),
+    ("planner", ("planner",)),
+    ("tools", ("functional",)),
     ("command line", ("cli",)),
 ]
 # the foundation imports nothing of the project but this
