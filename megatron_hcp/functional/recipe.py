@@ -53,9 +53,15 @@ TEST_TYPES = ("regular", "ckpt-resume")
 # the top-level keys of model_config.yaml (any other, e.g. a misspelt MODEL_ARG, is refused:
 # it would otherwise train the default model)
 RECIPE_KEYS = ("ENV_VARS", "NPROC", "TEST_TYPE", "MODEL_ARGS", "BRIDGE")
-# environment variables that load other code into the ranks (refused unless allowed)
+# environment variables that load other code into the ranks (refused unless allowed): the
+# interpreter's paths and start-up file, its breakpoint hook and warning filters (a filter's
+# category is imported by name), the shell's start-up files, glibc's conversion modules, and
+# the libraries OpenMP, CUDA and NCCL load by name
 LOADER_ENV_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE",
-                   "PYTHONUSERBASE", "BASH_ENV", "ENV")
+                   "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONBREAKPOINT", "PYTHONWARNINGS",
+                   "BASH_ENV", "ENV", "GCONV_PATH", "OMP_TOOL_LIBRARIES",
+                   "CUDA_INJECTION64_PATH", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN",
+                   "NCCL_PROFILER_PLUGIN")
 _LOADER_PREFIXES = ("LD_", "DYLD_")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

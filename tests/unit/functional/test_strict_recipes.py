@@ -188,3 +188,13 @@ def test_memory_per_rank_counts_the_ranks_of_this_node_and_shipped_recipes_fit()
         shipped = load_recipe(recipe_dir(name))
         if hasattr(shipped, "spec"):
             check_memory(shipped, shipped.nproc)
+
+
+@pytest.mark.parametrize("name", ["PYTHONBREAKPOINT", "PYTHONWARNINGS", "GCONV_PATH",
+                                  "OMP_TOOL_LIBRARIES", "CUDA_INJECTION64_PATH",
+                                  "NCCL_NET_PLUGIN"])
+def test_variables_that_load_code_by_name_need_an_allowance(tmp_path, name):
+    """PYTHONBREAKPOINT=module.callable passed without --allow-env."""
+    path = recipe(tmp_path, BASE.replace("ENV_VARS: {}", f"ENV_VARS: {{{name}: x.y}}"))
+    assert f"ENV_VARS.{name}" in violations(path)
+    assert load_recipe(path, allow_env=[name]).env[name] == "x.y"
