@@ -5,18 +5,28 @@ megatron's local spec builds its norms with ``WrappedTorchNorm``, which refuses
 sees only this TP rank's slice of the sequence, so its weight gradient is partial: megatron sums
 it over the TP group in ``finalize_model_grads`` for every parameter marked
 ``param.sequence_parallel = True`` - the mark TE's norms set. :class:`SequenceParallelTorchNorm`
-is torch's LayerNorm / RMSNorm with that mark; :func:`with_sequence_parallel_norms` puts it into
-a layer spec and a block spec (final norm included).
+is torch's LayerNorm / RMSNorm with that mark (as TE's ``TENorm``); :func:`torch_norms_to_sp`
+puts it in place of every ``WrappedTorchNorm`` of a spec tree - the layers' input / pre-MLP
+norms, the q/k (MLA: q/kv) layernorms, the block's final norm, MTP's norms - and
+:func:`with_sequence_parallel_norms` builds a stage's block spec from a layer spec with it.
+
+q/k norms: megatron sums their weight gradients over TP by name whenever ``qk_layernorm`` is on
+(each rank holds other heads), so the mark changes nothing there; MLA's ``kv_layernorm`` sees
+this rank's slice of the sequence under SP and needs it - the same marks TE's norms carry.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "uses_torch_norms", "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "map_spec", "torch_norms_to_sp", "uses_torch_norms",
+           "with_sequence_parallel_norms"]
 
 _NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
@@ -41,30 +51,73 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+def map_spec(node: Any, replace: Callable[[tuple[str, ...], Any], Any],
+             path: tuple[str, ...] = ()) -> Any:
+    """A copy of megatron spec tree ``node`` (``ModuleSpec``, submodule dataclasses,
+    ``TransformerBlockSubmodules``, ``functools.partial`` builders, lists, dicts) whose every
+    other value ``v`` at field path ``path`` is ``replace(path, v)`` (return ``v`` to keep it).
+    Classes, functions and placeholders are leaves, never walked into."""
+    if isinstance(node, functools.partial):
+        func = map_spec(node.func, replace, (*path, "<func>"))
+        args = [map_spec(a, replace, (*path, str(i))) for i, a in enumerate(node.args)]
+        keywords = {k: map_spec(v, replace, (*path, k)) for k, v in node.keywords.items()}
+        return functools.partial(func, *args, **keywords)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        out = copy.copy(node)
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            new = map_spec(value, replace, (*path, field.name))
+            if new is not value:
+                object.__setattr__(out, field.name, new)
+        return out
+    if isinstance(node, (list, tuple)):
+        items = [map_spec(v, replace, (*path, str(i))) for i, v in enumerate(node)]
+        return type(node)(items) if isinstance(node, tuple) else items
+    if isinstance(node, dict):
+        return {k: map_spec(v, replace, (*path, str(k))) for k, v in node.items()}
+    return replace(path, node)
+
+
+def _spec_leaves(node: Any) -> list[Any]:
+    found: list[Any] = []
+
+    def keep(path: tuple[str, ...], value: Any) -> Any:
+        found.append(value)
+        return value
+
+    map_spec(node, keep)
+    return found
+
+
+def torch_norms_to_sp(spec: Any) -> Any:
+    """``spec`` with :class:`SequenceParallelTorchNorm` in place of every megatron
+    ``WrappedTorchNorm`` (the norm the local spec uses without apex, which refuses SP)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return map_spec(spec, lambda path, value: (
+        SequenceParallelTorchNorm if value is WrappedTorchNorm else value))
+
+
 def uses_torch_norms(layer_spec: Any) -> bool:
-    """True when ``layer_spec`` builds its norms with megatron's ``WrappedTorchNorm`` (the local
+    """True when ``layer_spec`` builds any norm with megatron's ``WrappedTorchNorm`` (the local
     spec without apex), the norm that refuses SP. TE's spec (norms fused into TE's linear
     layers, TENorm) and apex's FusedLayerNorm accept SP as they are."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return any(getattr(layer_spec.submodules, name, None) is WrappedTorchNorm
-               for name in ("input_layernorm", "pre_mlp_layernorm"))
+    return any(leaf is WrappedTorchNorm for leaf in _spec_leaves(layer_spec))
 
 
 def with_sequence_parallel_norms(layer_spec: Any, config: Any, vp_stage: int | None,
                                  pp_rank: int) -> Any:
-    """A block spec of this pipeline stage's layers (``layer_spec`` each) whose norms - the
-    layers' input / pre-MLP norms and the block's final norm - are
+    """A block spec of this pipeline stage's layers (``layer_spec`` each) whose torch norms - the
+    layers' input / pre-MLP norms, q/k layernorms, and the block's final norm - are
     :class:`SequenceParallelTorchNorm`."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    layer = copy.deepcopy(layer_spec)
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        if getattr(layer.submodules, name, None) is not None:
-            setattr(layer.submodules, name, SequenceParallelTorchNorm)
+    layer = torch_norms_to_sp(layer_spec)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count,
                                       layer_norm=SequenceParallelTorchNorm)
