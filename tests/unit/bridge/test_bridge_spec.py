@@ -616,3 +616,80 @@ def test_gemma2_own_attention_is_refused(bridge):
     provider.transformer_layer_spec = hcp_spec.layer_spec
     with pytest.raises(hcp_spec.SpecError, match="Gemma2"):
         _resolve_as_bridge(provider)
+
+
+def _cpu_ready(provider: Any, family: str) -> Any:
+    """What megatron needs to build on CPU, none of it about the spec: CPU initialization, no
+    fused kernels, fp32, the allgather MoE dispatcher (alltoall opens a CUDA stream); no MTP
+    (Bridge's MTP block is TE's always)."""
+    import torch
+
+    for name in ("moe_permute_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
+                 "persist_layer_norm", "bias_activation_fusion", "bias_dropout_fusion",
+                 "masked_softmax_fusion", "cross_entropy_loss_fusion",
+                 "moe_shared_expert_overlap"):
+        setattr(provider, name, False)
+    provider.bf16, provider.params_dtype = False, torch.float32
+    provider.autocast_dtype = torch.float32
+    provider.use_cpu_initialization = True
+    provider.moe_token_dispatcher_type = "allgather"
+    provider.mtp_num_layers = None
+    return provider
+
+
+@needs_bridge
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_bridge_builds_the_model_with_the_features(bridge, family, monkeypatch):
+    """Bridge's own provide() builds the model from the spec (one CPU rank): the family's q/k
+    norms, experts, shared experts, MLA and sinks are modules of the model, beside the CP
+    attention. (megatron makes MLA's and YaRN's RoPE tables on torch.cuda.current_device()
+    whatever use_cpu_initialization says: the CPU is that device here.)"""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+    provider = _cpu_ready(FAMILIES[family][0](), family)
+    provider.transformer_layer_spec = hcp_spec.layer_spec
+    provider.finalize()
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model = provider.provide()
+    layers = list(model.decoder.layers)
+    assert len(layers) == 4
+    cores = [layer.self_attention.core_attention for layer in layers]
+    assert all(isinstance(core, ReferenceCPAttention) for core in cores)
+    kinds = [type(layer.mlp).__name__ for layer in layers]
+    if family in ("qwen3", "qwen3_moe"):
+        for layer in layers:
+            assert isinstance(layer.self_attention.q_layernorm, torch.nn.RMSNorm)
+            assert isinstance(layer.self_attention.k_layernorm, torch.nn.RMSNorm)
+    if family in ("qwen3_moe", "gpt_oss"):
+        assert kinds == ["MoELayer"] * 4
+        assert all(layer.mlp.experts.num_local_experts == 8 for layer in layers)
+    if family == "deepseek_v3":
+        assert kinds == ["MLP"] + ["MoELayer"] * 3
+        assert all(layer.mlp.shared_experts is not None for layer in layers[1:])
+        assert {type(layer.self_attention).__name__ for layer in layers} == {
+            "MLASelfAttention"}
+        assert isinstance(layers[0].self_attention.kv_layernorm, torch.nn.RMSNorm)
+    if family == "gpt_oss":
+        assert [core.window_size for core in cores] == [(31, 0), None, (31, 0), None]
+        assert all(isinstance(core.softmax_offset, torch.nn.Parameter) for core in cores)
+    if family == "llama3":
+        assert kinds == ["MLP"] * 4
+        assert layers[0].self_attention.q_layernorm is None
+
+
+@needs_bridge
+def test_bridge_mtp_block_needs_te(bridge):
+    """Bridge's provide() asks megatron for TE's MTP block always (use_transformer_engine=True),
+    which does not build without TE - with or without megatron-hcp. mtp_block_spec is the block
+    on the local backend."""
+    provider = _deepseek_v3()
+    provider.transformer_layer_spec = hcp_spec.layer_spec
+    assert provider.mtp_num_layers == 1
+    from megatron.bridge.models.gpt_provider import mtp_block_spec
+
+    with pytest.raises(TypeError, match="not callable"):
+        mtp_block_spec(provider)
+    assert hcp_spec.mtp_block_spec(provider) is not None
