@@ -10,6 +10,7 @@ from .hook import (
     installed,
     uninstall,
 )
+from .spec import layer_spec, use_cp_attention
 
 __all__ = [
     "BridgeHookError",
@@ -18,5 +19,7 @@ __all__ = [
     "cp_config_from_overrides",
     "install",
     "installed",
+    "layer_spec",
     "uninstall",
+    "use_cp_attention",
 ]

@@ -49,7 +49,7 @@ from ..config import CPConfig, CPConfigError, Topology, Violation
 from ..dynamic_cp.step import PlannedMicroBatches, plan_step, schedule_arguments
 from ..parallel_state.dynamic import dynamic_cp_groups_of
 from ..patching.registry import Target
-from .config import cp_config_from_bridge
+from .config import cp_config_from_bridge, read_window
 
 __all__ = ["DynamicCPForwardBackward", "DynamicMicroBatches", "bridge_batch_samples",
            "cp_config_of", "dynamic_cp_steps", "prepare_config"]
@@ -340,7 +340,8 @@ class DynamicCPForwardBackward:
                 num_query_groups=model_config.num_query_groups,
                 gated_mlp=bool(model_config.gated_linear_unit),
                 kv_channels=model_config.kv_channels,
-                window=GPTWorkload.causal_window(getattr(model_config, "window_size", None))),
+                window=GPTWorkload.causal_window(
+                    read_window(getattr(model_config, "window_size", None)))),
             micro_batch_multiple=pg_collection.pp.size() if chunks > 1 else 1,
             sequence_parallel=bool(model_config.sequence_parallel),
             cp_partition_mode=(config.cp_partition_mode if config is not None

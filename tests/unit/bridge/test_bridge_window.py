@@ -116,3 +116,19 @@ def test_gemma3_bad_window_still_refused(gemma3):
     cfg = SimpleNamespace(model=gemma3(window_size="512"), dist=None)
     with pytest.raises(CPConfigError, match=r"model\.window_size='512'.*not text"):
         dynamic_cp._make_runtime_config_update(lambda c: None)(cfg)
+
+
+@pytest.mark.parametrize("overrides", [["model.window_size=512"], ["model.window_size=[511,0]"]])
+def test_the_override_forms_read_alike(overrides):
+    """Bridge's ``model.window_size=512`` override reads as the provider's int does; before, the
+    override reader refused it ("must be two integers")."""
+    from megatron_hcp.bridge import cp_config_from_overrides
+
+    assert cp_config_from_overrides(overrides)[0].window_size == [511, 0]
+
+
+def test_the_dynamic_cp_workload_reads_an_integer_window():
+    """The dynamic-CP data path prices a scalar window as (W-1, 0) (it indexed ``512[0]``)."""
+    from megatron_hcp.dynamic_cp.workload import GPTWorkload
+
+    assert GPTWorkload.causal_window(read_window(512)) == 511
