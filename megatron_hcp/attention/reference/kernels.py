@@ -11,7 +11,9 @@ forward block in :class:`~.blocks.BlockCounter`):
 * ``cpu_flash`` - PyTorch's blockwise CPU flash kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward): CPU blocks without
   bias whose q, k and v share one head dim; a masked block (packed ``thd`` sequences, a sliding
-  window) passes its mask as an additive ``attn_mask`` (0 / ``-inf``).
+  window) passes its mask as an additive ``attn_mask`` (0 / ``-inf``). GQA blocks give it K/V
+  as they are; in half precision their backward runs in fp32 (:func:`backward_dtype`: the
+  kernel sums a group's dK/dV in its inputs' dtype).
 * ``cuda_flash`` - FlashAttention-2 through ``aten::_scaled_dot_product_flash_attention`` (and
   ``..._backward``): CUDA, fp16/bf16, no mask, one head dim, a multiple of 8 and <= 256.
 * ``cuda_efficient`` - the memory-efficient kernel through
@@ -162,6 +164,23 @@ def takes_grouped_kv(kernel: str) -> bool:
     CPU one where :func:`cpu_flash_takes_grouped_kv`). The others take K/V expanded to q's
     heads, their gradients summed back over each group."""
     return kernel == CUDA_FLASH or (kernel == CPU_FLASH and cpu_flash_takes_grouped_kv())
+
+
+def backward_dtype(kernel: str, dtype: torch.dtype, grouped_kv: bool) -> torch.dtype:
+    """The dtype the fused ``kernel`` runs a ``dtype`` block's backward in (``grouped_kv``: K/V
+    with fewer heads than q, as :func:`takes_grouped_kv` gives them): the block's own, but
+    fp32 for a half-precision block with grouped K/V on the CPU flash kernel. That kernel adds
+    every query block's and every query head's share of dK/dV into its gradient in place, in
+    its inputs' dtype (a GEMM with beta 1 each), so in bf16 a group's shares were rounded to
+    bf16 at every addition (dV of 8 heads per group up to 2x over Transformer Engine's bf16
+    GQA tolerance against fp64, at 256 tokens). In fp32 they add up in fp32, as in
+    FlashAttention-2 and Transformer Engine's kernels (each head's dK/dV accumulated in fp32,
+    a group's heads summed with fp32 accumulation); K/V stay unexpanded. The cost: the
+    inputs converted (q, dout, out, k, v: 4 bytes an element) and 4-byte gradients, for the
+    block's backward only (``benchmarks/gqa_backward.py``)."""
+    if grouped_kv and kernel == CPU_FLASH and dtype in _HALF:
+        return torch.float32
+    return dtype
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -422,8 +441,8 @@ def block_backward(
     """Gradients of one block given the final ``out``/``lse`` of its query rows.
 
     Returns (dq [B,H,Sq,D], dk [B,Hkv,Sk,D], dv [B,Hkv,Sk,Dv]) in the accumulation dtype
-    (a fused kernel's in its own dtype: adding them into the accumulation-dtype gradient
-    converts them on the way, in the same kernel), and
+    (a fused kernel's in the dtype it ran in, :func:`backward_dtype`: adding them into the
+    accumulation-dtype gradient converts them on the way, in the same kernel), and
     with ``bias`` also d bias [B,H,Sq,Sk] (before reducing to the bias's broadcast shape).
     ``kernel``: the block's :func:`kernel_for` (computed when not given).
     """
@@ -436,8 +455,9 @@ def block_backward(
     grouped = kv_heads == heads or (kernel.kernel != MATH and takes_grouped_kv(kernel.kernel))
     ke, ve = (k, v) if grouped else (_expand_kv(k, heads), _expand_kv(v, heads))
     if kernel.kernel != MATH:
-        dq, dk, dv = _fused_backward(kernel.kernel, dout.to(q.dtype), q, ke, ve,
-                                     out.to(q.dtype), lse, scale, causal, mask)
+        run = backward_dtype(kernel.kernel, q.dtype, ke.shape[1] != heads)
+        dq, dk, dv = _fused_backward(kernel.kernel, dout.to(run), q.to(run), ke.to(run),
+                                     ve.to(run), out.to(run), lse, scale, causal, mask)
         if ke.shape[1] != kv_heads:  # expanded: the query heads' shares are summed in acc's
             dk, dv = dk.to(acc), dv.to(acc)  # precision (a grouped kernel sums them itself)
     else:
