@@ -9,12 +9,14 @@ typed arguments, the lengths reader - is :mod:`megatron_hcp.command_line`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
 
 from .command_line import Parser, UsageError
 from .dynamic_cp.command import SCHEDULE_MAX_DP_CP  # noqa: F401 - its old home
+from .functional.signals import Terminated
 from .parallel_state.command import MAX_LOCAL_RANKS  # noqa: F401 - its old home
 
 __all__ = ["SCHEDULE_MAX_DP_CP", "UsageError", "build_parser", "main", "parse_and_check"]
@@ -69,7 +71,8 @@ def parse_and_check(argv: Sequence[str] | None = None) -> argparse.Namespace | i
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; bad input exits 2 with one line on stderr, never a traceback;
-    Ctrl-C exits 130 with one line."""
+    Ctrl-C exits 130 with one line, SIGTERM or SIGHUP during a recipe run 128 + the signal's
+    number (the run's launcher and ranks ended first: :mod:`megatron_hcp.functional.signals`)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         args = parse_and_check(argv)
@@ -83,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
         print("megatron-hcp: interrupted", file=sys.stderr)
         return 130
+    except Terminated as err:  # SIGTERM/SIGHUP during a run, which has ended: 128 + signal
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"megatron-hcp: {err}; the run's processes and temporary files are gone",
+                  file=sys.stderr)
+        return err.exit_code
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
         import os
 

@@ -8,8 +8,9 @@ this process, see :mod:`megatron_hcp.local_world`), so each run still gets fresh
 the imports are paid once per process. Each rank sees what torchrun would give it (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store this process owns)
 and runs the same ``main(argv)`` of the worker module; its output goes to a log that the
-caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail stops the others,
-as torchrun does. CPU (gloo) runs on one node only: a forked process cannot initialize CUDA.
+caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail ends the others,
+as torchrun does; Ctrl-C, SIGTERM or SIGHUP reaching this process reach the ranks too
+(:mod:`.signals`). CPU (gloo) runs on one node only: a forked process cannot initialize CUDA.
 
 The ranks of one run are forked by a *zygote*, itself forked from the forkserver: it runs the
 worker module's optional ``prefork(argv)`` once (work every rank would repeat, such as Bridge's
@@ -18,10 +19,10 @@ imports, which cost 15 CPU-seconds per rank), then forks the ranks and watches t
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..local_world import PRELOAD, environment
+from .signals import end_processes, signal_of
 
 __all__ = ["run_forked"]
 
@@ -74,19 +76,25 @@ def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
         own = str(Path(tmp) / "launcher.log")
         zygote = ctx.Process(target=_zygote, daemon=False, args=(
             module, argv, rank_env, logs, own, list(sys.path), timeout_s))
-        # a forkserver started now keeps this environment (the ranks' own, GPUs hidden)
-        with environment({k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES",
-                                                                 "OMP_NUM_THREADS")}):
+        # a forkserver started now keeps this environment (the ranks' own, GPUs hidden) and
+        # puts torchinductor's cache (made when it imports megatron-core) in the folder that
+        # multiprocessing removes when this process exits, not in $TMPDIR
+        cache = str(Path(mp.util.get_temp_dir()) / "torchinductor")
+        with environment({"TORCHINDUCTOR_CACHE_DIR": cache,
+                          **{k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES",
+                                                                   "OMP_NUM_THREADS")}}):
             zygote.start()
         shown, deadline = [0] * nproc, time.monotonic() + timeout_s + 60  # the zygote's first
         try:
             while zygote.exitcode is None and time.monotonic() < deadline:
                 shown = _show(logs, shown, on_line)
                 zygote.join(0.2)
-        finally:  # the zygote hangs, or Ctrl-C here: stop it and every rank
+        except BaseException as exc:  # Ctrl-C, SIGTERM, SIGHUP (.signals), a failing on_line:
+            end_processes(zygote.pid, signal_of(exc))  # the signal to the ranks, then SIGKILL
+            raise
+        finally:  # the zygote hangs past the deadline: SIGKILL to it and every rank
             if zygote.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):  # the group has gone meanwhile
-                    os.killpg(zygote.pid, signal.SIGKILL)
+                end_processes(zygote.pid, signal.SIGKILL)
                 zygote.join()
         _show(logs, shown, on_line)
         code = zygote.exitcode

@@ -24,6 +24,7 @@ from .bridge_recipe import BridgeRecipe
 from .golden import Comparison, compare, load_golden, replace_golden
 from .launch import Launch
 from .recipe import RECIPES_DIR, Recipe, load_recipe
+from .signals import end_processes, raising_signals, signal_of
 
 __all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "max_rel_deviation", "recipe_dir",
            "run_recipe", "summary_table", "update_golden"]
@@ -53,10 +54,14 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
                extra: list[str] | None = None, echo: Callable[[str], None] | None = print,
                launch: Launch | None = None) -> dict[str, dict[int, float]]:
     """Train ``recipe`` on ``recipe.nproc`` ranks; return rank 0's per-step metrics (``{}`` on
-    a node other than node 0, which has no rank 0)."""
+    a node other than node 0, which has no rank 0).
+
+    Everything of the run lives in one temporary directory (the metrics, torchrun's logs,
+    torchinductor's cache), removed when it ends, also when this process is told to end
+    (:mod:`.signals`: the launcher and every rank end first)."""
     launch = launch or Launch()
     launch.validate(recipe.nproc)
-    with tempfile.TemporaryDirectory(prefix="megatron-hcp-") as tmp:
+    with raising_signals(), tempfile.TemporaryDirectory(prefix="megatron-hcp-") as tmp:
         out = Path(tmp) / "metrics.json"
         args = [str(recipe.path), "--out", str(out), "--platform", launch.platform,
                 *recipe.worker_args(tmp)]
@@ -69,7 +74,10 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
         # initialize CUDA on a machine that has it
         hidden = {"CUDA_VISIBLE_DEVICES": ""} if launch.platform == "cpu_gloo" else {}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "MASTER_ADDR": launch.master_addr, **recipe.env, **hidden}
+               "MASTER_ADDR": launch.master_addr,
+               # torchinductor's cache (else $TMPDIR/torchinductor_<user>, left behind)
+               "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "torchinductor"),
+               **recipe.env, **hidden}
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
 
@@ -83,7 +91,8 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
             code, log = run_forked(recipe.worker, args, recipe.nproc, env,
                                    master_addr=launch.master_addr, on_line=show)
         else:
-            code, log = _torchrun(recipe, launch, args, env, show)
+            code, log = _torchrun(recipe, launch, args, env, show,
+                                  log_dir=str(Path(tmp) / "torchrun"))
         if code == 0 and not launch.checks_results:
             return {}
         if code != 0 or not out.is_file():
@@ -99,36 +108,25 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
 
 
 def _torchrun(recipe: Recipe, launch: Launch, args: list[str], env: dict[str, str],
-              show: Callable[[str], None]) -> tuple[int, list[str]]:
-    """``torchrun ... -m <worker> args``: its exit code and output lines."""
+              show: Callable[[str], None], log_dir: str) -> tuple[int, list[str]]:
+    """``torchrun ... -m <worker> args``: its exit code and output lines. torchrun runs in a
+    process group of its own (each rank in another, torchrun's doing), so that when this
+    process is told to end (Ctrl-C, SIGTERM, SIGHUP: :mod:`.signals`) or fails, the signal
+    reaches torchrun and every rank, and SIGKILL after a grace period."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(recipe.nproc),
-           "-m", recipe.worker, *args]
+           f"--log-dir={log_dir}", "-m", recipe.worker, *args]
     log: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env) as proc:
+                          env=env, process_group=0) as proc:
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
                 log.append(line)
                 show(line)
-        except KeyboardInterrupt:  # Ctrl-C: torchrun stops its ranks, then we go
-            _stop(proc)
+        except BaseException as exc:  # the run ends with this process, never without it
+            end_processes(proc.pid, signal_of(exc))
             raise
         return proc.wait(), log
-
-
-def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """End torchrun and its ranks after Ctrl-C (a terminal's SIGINT reached them too; a
-    SIGINT sent to this process alone did not): SIGINT, then SIGKILL after ``grace`` s."""
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def max_rel_deviation(run: dict[int, float], reference: dict[int, float],
@@ -168,9 +166,10 @@ class RecipeResult:
 def _run_with_resume(recipe: Recipe, steps: int, echo, launch: Launch | None = None
                      ) -> tuple[dict, dict, int]:
     """Uninterrupted run saving at the midpoint, then a run resumed from it: both runs' metrics
-    and the resume step."""
+    and the resume step. The checkpoint folder is removed also when a signal ends the runs
+    (:mod:`.signals`, active from before it exists)."""
     half = max(1, steps // 2)
-    with tempfile.TemporaryDirectory(prefix="megatron-hcp-ckpt-") as ckpt:
+    with raising_signals(), tempfile.TemporaryDirectory(prefix="megatron-hcp-ckpt-") as ckpt:
         full = run_recipe(recipe, steps=steps, echo=echo, launch=launch,
                           extra=["--checkpoint-dir", ckpt, "--save-at", str(half)])
         if echo:

@@ -1,0 +1,118 @@
+"""How a run ends, with processes.
+
+A run ends with the command that runs it: SIGTERM (what Slurm, Kubernetes or a CI time-out send
+before SIGKILL), SIGHUP and SIGINT sent to ``megatron-hcp functional run`` alone end the
+launcher (torchrun, or the forkserver's zygote), every rank and the ranks' own children, remove
+the run's temporary folders (nothing of the run is left in ``$TMPDIR``) and exit 128 + the
+signal's number.
+
+The ranks are a stand-in worker (``_ending_target``: records its processes and waits), started
+through the real command line, launchers and signal handling (``_ending_cli``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = "gpt3_mcore_tp1_pp1_cp4_p2p"  # 4 ranks
+NPROC = 4
+
+
+def _running(pid: int) -> bool:
+    """The process runs (it exists and is no zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _marked(marker: bytes) -> list[int]:
+    """Running processes whose environment holds ``marker`` (every process of one run: the
+    command, torchrun or the forkserver, each rank and the ranks' children)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in Path(entry.path, "environ").read_bytes() and _running(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def run_env(tmp_path):
+    """The command's environment: a fresh ``$TMPDIR`` and the stand-in's record folder (its
+    path, in every process's environment, marks the processes of this run); whatever of the
+    run still runs at the end is killed by pid."""
+    tmp, records = tmp_path / "tmp", tmp_path / "records"
+    tmp.mkdir()
+    records.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "ENDING_TARGET_DIR": str(records),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    env.pop("ENDING_TARGET_MODE", None)
+    marker = f"ENDING_TARGET_DIR={records}".encode() + b"\0"
+    yield env, tmp, records, marker
+    for pid in _marked(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_for_ranks(records: Path, proc: subprocess.Popen, timeout: float = 300) -> list[dict]:
+    """Each rank's record, once every rank has written it (the ranks are running)."""
+    deadline = time.monotonic() + timeout
+    while len(list(records.glob("rank?"))) < NPROC:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the command ended ({proc.returncode}) before its ranks ran:\n{err}")
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    return [json.loads((records / f"rank{r}").read_text()) for r in range(NPROC)]
+
+
+@pytest.mark.parametrize("launcher, signum", [
+    ("torchrun", signal.SIGTERM), ("torchrun", signal.SIGHUP), ("torchrun", signal.SIGINT),
+    ("forkserver", signal.SIGTERM), ("forkserver", signal.SIGHUP),
+])
+def test_a_signal_to_the_command_ends_every_process_of_the_run(run_env, launcher, signum):
+    env, tmp, records, marker = run_env
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.unit.functional._ending_cli", "functional", "run", RECIPE,
+         "--no-cp1", "--launcher", launcher],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ranks = _wait_for_ranks(records, proc)
+        proc.send_signal(signum)  # to the command alone, as Kubernetes or `kill PID` send it
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signum, err
+    said = ("megatron-hcp: interrupted" if signum == signal.SIGINT else
+            f"megatron-hcp: terminated by {signal.Signals(signum).name}; the run's processes "
+            "and temporary files are gone")
+    assert err.strip().splitlines()[-1] == said, err
+    # the ranks, their launcher and the ranks' children have gone when the command exits
+    pids = [r[key] for r in ranks for key in ("pid", "parent", "child")]
+    assert [p for p in pids if _running(p)] == [], err
+    deadline = time.monotonic() + 15  # the forkserver ends when it sees the command gone
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked(marker) == []
+    # torchinductor's cache was the run's own; nothing of the run is left in $TMPDIR
+    assert all(Path(r["inductor"]).parent.parent == tmp for r in ranks), ranks
+    assert all(Path(r["inductor"]).parent.name.startswith("megatron-hcp-") for r in ranks)
+    assert sorted(os.listdir(tmp)) == []
