@@ -8,21 +8,28 @@ is no longer running, and keeps the files of a writer that is still at work.
 
 ``on_step`` (optional) is called with a description before each write that changes the disk
 (the temporary file, the rename): the fault-injection point of the crash tests.
+
+A write the file system refuses for want of room or of a writable disk (ENOSPC, EDQUOT, EROFS)
+raises :class:`OutputWriteError`: one line naming the path (the command line prints it and
+exits 1), nothing partial left. The output checks (:func:`check_output_file`,
+:func:`check_output_dir`) find such a file system before any work: they write, sync and remove
+a small probe file there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["PLOT_SUFFIXES", "OutputPathError", "Step", "check_output_dir", "check_output_file",
-           "fsync_dir", "pid_alive", "reclaim_temps", "save_figure", "temp_files",
-           "write_atomic"]
+__all__ = ["PLOT_SUFFIXES", "OutputPathError", "OutputWriteError", "Step", "check_output_dir",
+           "check_output_file", "fsync_dir", "naming_write_errors", "pid_alive",
+           "reclaim_temps", "save_figure", "temp_files", "write_atomic"]
 
 PLOT_SUFFIXES = ("", ".png", ".pdf", ".svg")
 """What a ``--plot`` file may end with (matplotlib writes PNG without a suffix)."""
@@ -30,6 +37,43 @@ PLOT_SUFFIXES = ("", ".png", ".pdf", ".svg")
 
 class OutputPathError(ValueError):
     """An output path that cannot be written (found before any work starts; one line)."""
+
+
+# the errors of a write the file system refuses whatever is written, and what each means
+REFUSED_WRITES = {errno.ENOSPC: "the file system is full (ENOSPC)",
+                  errno.EDQUOT: "the disk quota is exceeded (EDQUOT)",
+                  errno.EROFS: "the file system is read-only (EROFS)"}
+
+
+class OutputWriteError(OSError):
+    """A write the file system refused (:data:`REFUSED_WRITES`), one line naming what was being
+    written (a path, shown quoted, or a description such as ``the standard output``); an
+    OSError with the original ``errno``, so ``except OSError`` still catches it."""
+
+    def __init__(self, code: int, what: str | os.PathLike) -> None:
+        shown = repr(str(what)) if isinstance(what, os.PathLike) else what  # whole: its name
+        super().__init__(code, f"cannot write {shown}: {REFUSED_WRITES[code]}; free space "
+                               "there or write elsewhere")
+        self.filename = str(what)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+@contextlib.contextmanager
+def naming_write_errors(what: str | os.PathLike) -> Iterator[None]:
+    """Within the block, a write the file system refuses (:data:`REFUSED_WRITES`) raises
+    :class:`OutputWriteError` naming ``what`` (a path, or a description); other errors pass
+    unchanged."""
+    try:
+        yield
+    except OutputWriteError:
+        raise
+    except OSError as err:
+        if err.errno not in REFUSED_WRITES:
+            raise
+        raise OutputWriteError(err.errno, what) from err
+
 
 Step = Callable[[str], None]
 """Called with a description before each change on disk (fault-injection point)."""
@@ -59,7 +103,9 @@ def pid_alive(pid: int) -> bool:
 
 def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
                  on_step: Step | None = None) -> None:
-    """Replace ``path`` with ``data``: unique temporary file, fsync, rename, fsync directory.
+    """Replace ``path`` with ``data``: unique temporary file, fsync, rename, fsync directory. A
+    full or read-only file system raises :class:`OutputWriteError` naming ``path``; the old
+    file stays and no temporary file is left.
 
     ``mode``: permission bits of the new file (default: those of the file it replaces, else
     0o666 minus the umask, as ``open`` would create it)."""
@@ -74,21 +120,22 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
     payload = data.encode("utf-8") if isinstance(data, str) else data
     if on_step is not None:
         on_step(f"write a temporary file for {path}")
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
-                               dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fchmod(fh.fileno(), mode)
-            os.fsync(fh.fileno())
-        if on_step is not None:
-            on_step(f"rename the temporary file onto {path}")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with naming_write_errors(path):
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
+                                   dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fchmod(fh.fileno(), mode)
+                os.fsync(fh.fileno())
+            if on_step is not None:
+                on_step(f"rename the temporary file onto {path}")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
 
 
 def _writable_dir(folder: Path, name: str, path: str | os.PathLike) -> None:
@@ -98,6 +145,28 @@ def _writable_dir(folder: Path, name: str, path: str | os.PathLike) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputPathError(f"{name} {str(path)!r}: cannot write into {str(folder)!r} "
                               "(permission); give a writable location")
+    _probe(folder, name, path)
+
+
+PROBE_BYTES = 4096  # a block: a full file system refuses it
+
+
+def _probe(folder: Path, name: str, path: str | os.PathLike) -> None:
+    """Write, sync and remove a small file in ``folder``: a full, over-quota or read-only file
+    system (which ``os.access`` does not see) is refused now, not after the work."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".megatron-hcp-probe.{os.getpid()}.",
+                                     suffix=".tmp", dir=folder)
+        try:
+            os.write(fd, b"\0" * PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as err:
+        reason = REFUSED_WRITES.get(err.errno or 0, err.strerror)
+        raise OutputPathError(f"{name} {str(path)!r}: cannot write into {str(folder)!r}: "
+                              f"{reason}; free space there or give another path") from None
 
 
 def _shown(path: str | os.PathLike) -> str:
@@ -152,17 +221,19 @@ def check_output_file(path: str | os.PathLike | None, name: str,
 
 def save_figure(fig: object, path: Path, **kwargs: object) -> Path:
     """Write a matplotlib figure to ``path`` (checked by :func:`check_output_file`) atomically:
-    a temporary file beside it, then a rename; returns ``path``."""
+    a temporary file beside it, then a rename; returns ``path``. A full or read-only file system
+    raises :class:`OutputWriteError` and leaves nothing."""
     fmt = path.suffix.lstrip(".").lower() or "png"
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
-                               dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=fmt, **kwargs)  # type: ignore[attr-defined]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_write_errors(path):
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp",
+                                   dir=path.parent)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, format=fmt, **kwargs)  # type: ignore[attr-defined]
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
 
 

@@ -14,7 +14,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .command_line import Parser, UsageError
+from .atomic_write import OutputPathError, OutputWriteError
+from .command_line import NamedStream, Parser, UsageError, one_line
 from .dynamic_cp.command import SCHEDULE_MAX_DP_CP  # noqa: F401 - its old home
 from .functional.signals import Terminated
 from .parallel_state.command import MAX_LOCAL_RANKS  # noqa: F401 - its old home
@@ -72,16 +73,31 @@ def parse_and_check(argv: Sequence[str] | None = None) -> argparse.Namespace | i
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; bad input exits 2 with one line on stderr, never a traceback;
     Ctrl-C exits 130 with one line, SIGTERM or SIGHUP during a recipe run 128 + the signal's
-    number (the run's launcher and ranks ended first: :mod:`megatron_hcp.functional.signals`)."""
+    number (the run's launcher and ranks ended first: :mod:`megatron_hcp.functional.signals`);
+    an output the file system refuses (full, over quota, read-only; the standard output too,
+    e.g. ``> /dev/full``) exits 1 with one line naming it."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stdout = sys.stdout
+    sys.stdout = NamedStream(stdout, "the standard output")
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    command = "megatron-hcp"
     try:
         args = parse_and_check(argv)
         if isinstance(args, int):
             return args
+        command = f"megatron-hcp {args.command}"
         try:
-            return args.func(args)
+            code = args.func(args)
+            sys.stdout.flush()  # a refused output fails here, not at the interpreter's exit
+            return code
         except UsageError as err:
-            print(f"megatron-hcp {args.command}: error: {err}", file=sys.stderr)
+            print(f"{command}: error: {err}", file=sys.stderr)
             return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
         print("megatron-hcp: interrupted", file=sys.stderr)
@@ -92,10 +108,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         return err.exit_code
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _discard_stdout()
         return 141
+    except (OutputWriteError, OutputPathError) as err:  # full, read-only: named, one line
+        if isinstance(err, OutputWriteError) and err.filename == "the standard output":
+            _discard_stdout()
+        print(f"{command}: error: {one_line(err)}", file=sys.stderr)
+        return 1
+
+
+def _discard_stdout() -> None:
+    """What is left in the standard output's buffer goes nowhere (its reader or its disk is
+    gone), so that the interpreter's last flush does not fail again."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's capture)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

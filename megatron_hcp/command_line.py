@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Parser", "Sizes", "UsageError", "one_line", "output_file", "read_lengths", "typed"]
+__all__ = ["NamedStream", "Parser", "Sizes", "UsageError", "one_line", "output_file",
+           "read_lengths", "typed"]
 
 
 class UsageError(ValueError):
@@ -53,6 +54,30 @@ def output_file(path: str, flag: str = "--plot") -> Path:
         return check_output_file(path, flag)
     except OutputPathError as err:
         raise UsageError(str(err)) from None
+
+
+class NamedStream:
+    """A text stream (the command's standard output) whose refused writes - a full file system,
+    ``> /dev/full``, a read-only disk - raise :class:`~.atomic_write.OutputWriteError` naming
+    it, from ``write`` and ``flush`` alike; everything else is the stream's own."""
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self.stream, self.name = stream, name
+
+    def write(self, text: str) -> int:
+        from .atomic_write import naming_write_errors
+
+        with naming_write_errors(self.name):
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        from .atomic_write import naming_write_errors
+
+        with naming_write_errors(self.name):
+            self.stream.flush()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.stream, attr)
 
 
 def read_lengths(path: str, flag: str = "--lengths") -> list[int]:

@@ -26,8 +26,8 @@ from .launch import Launch
 from .recipe import RECIPES_DIR, Recipe, load_recipe
 from .signals import end_processes, raising_signals, signal_of
 
-__all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "max_rel_deviation", "recipe_dir",
-           "run_recipe", "summary_table", "update_golden"]
+__all__ = ["RecipeResult", "RecipeRunError", "check_recipe", "failure_summary", "max_rel_deviation",
+           "rank_exceptions", "recipe_dir", "run_recipe", "summary_table", "update_golden"]
 
 CP1_RTOL = 1e-5
 RESUME_RTOL = 1e-6
@@ -96,15 +96,60 @@ def run_recipe(recipe: Recipe, *, steps: int | None = None, cp1: bool = False,
         if code == 0 and not launch.checks_results:
             return {}
         if code != 0 or not out.is_file():
-            # a rank's own exception (torchrun prefixes it) before any other error-like line
-            own = re.compile(r"\[rank\d+\]: \w+(Error|Exception): |terminate called|what\(\): ")
-            errors = ([line for line in log if own.search(line)]
-                      or [line for line in log if re.search(r"\w+(Error|Exception): ", line)])
-            tail = "".join(errors[:3]) + "".join(log[-40:])
             raise RecipeRunError(f"{recipe.name}{' (CP=1)' if cp1 else ''} failed with exit "
-                                 f"code {code}; last lines:\n{tail}")
+                                 f"code {code}; {failure_summary(log)}")
         raw = read_json(out, "rank 0's metrics", finite=False)  # a diverged run has NaN
     return {name: {int(k): float(v) for k, v in values.items()} for name, values in raw.items()}
+
+
+_STREAM = re.compile(r"\[(rank\d+|launcher)\]: ?(.*)")  # a rank's line, as torchrun prefixes it
+_LAUNCHER_ERRORS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError",)
+_ABORT = re.compile(r"terminate called|\s*what\(\): ")
+
+
+def rank_exceptions(log: list[str]) -> list[str]:
+    """Each failing rank's exception line: the last exception line (the first unindented line
+    after ``Traceback (most recent call last):``, or a C++ abort's ``terminate called`` /
+    ``what():``) of each rank's output, in rank order, as ``[rankN]: XxxError: ...``.
+
+    Lines without a rank's prefix (a rank that failed before its process group existed, as
+    torchrun's ranks are prefixed only after; torchrun's own) are one more stream, shown as
+    ``[rank?]``; torchrun's own ChildFailedError is left out (it names no cause)."""
+    last: dict[str, str] = {}
+    in_traceback: set[str] = set()
+    for raw in log:
+        match = _STREAM.match(raw)
+        name, text = (match.group(1), match.group(2)) if match else ("rank?", raw)
+        text = text.rstrip("\n")
+        if text.startswith("Traceback (most recent call last):"):
+            in_traceback.add(name)
+        elif name in in_traceback and text.strip() and not text[0].isspace():
+            in_traceback.discard(name)
+            if not text.startswith(_LAUNCHER_ERRORS):
+                last[name] = text
+        elif _ABORT.match(text):  # a C++ exception that ended the process
+            last[name] = text.strip()
+
+    def order(name: str) -> tuple[int, int]:
+        return (0, int(name[4:])) if name[4:].isdigit() else (1, 0)
+
+    return [f"[{name}]: {last[name]}" for name in sorted(last, key=order)]
+
+
+def failure_summary(log: list[str], tail: int = 40) -> str:
+    """What a failed run's error shows: the last ``tail`` lines of its output, then each
+    failing rank's exception line (:func:`rank_exceptions`), so that the cause comes last
+    whatever the tail holds; a run that printed no traceback ends with its first error-like
+    lines."""
+    text = "last lines:\n" + "".join(log[-tail:])
+    causes = rank_exceptions(log)
+    if not causes:
+        causes = [line.rstrip("\n") for line in log
+                  if re.search(r"\w+(Error|Exception): ", line)][:3]
+    if causes:
+        text += ("" if text.endswith("\n") else "\n") + "each failing rank's exception:\n"
+        text += "\n".join(causes)
+    return text
 
 
 def _torchrun(recipe: Recipe, launch: Launch, args: list[str], env: dict[str, str],

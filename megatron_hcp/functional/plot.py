@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..atomic_write import save_figure
+from ..atomic_write import naming_write_errors, save_figure
 from .harness import RecipeResult
 
 __all__ = ["plot_result"]
@@ -32,7 +32,8 @@ def plot_result(result: RecipeResult, out_dir: str | os.PathLike) -> Path:
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with naming_write_errors(out):  # a full file system: one line naming the folder
+        out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     _curve(ax, result.golden_loss, "golden values", color="black", linewidth=3, alpha=0.35)
     _curve(ax, result.cp1_loss, "CP=1 run", color="tab:orange", linestyle="--", marker="x",

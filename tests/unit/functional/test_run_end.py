@@ -4,7 +4,8 @@ A run ends with the command that runs it: SIGTERM (what Slurm, Kubernetes or a C
 before SIGKILL), SIGHUP and SIGINT sent to ``megatron-hcp functional run`` alone end the
 launcher (torchrun, or the forkserver's zygote), every rank and the ranks' own children, remove
 the run's temporary folders (nothing of the run is left in ``$TMPDIR``) and exit 128 + the
-signal's number.
+signal's number. A failed run's error ends with each failing rank's exception line. A full
+standard output is one line.
 
 The ranks are a stand-in worker (``_ending_target``: records its processes and waits), started
 through the real command line, launchers and signal handling (``_ending_cli``)."""
@@ -12,6 +13,7 @@ through the real command line, launchers and signal handling (``_ending_cli``)."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -22,11 +24,16 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hcp.functional.harness import RecipeRunError, recipe_dir, run_recipe
+from megatron_hcp.functional.launch import Launch
+from megatron_hcp.functional.recipe import load_recipe
+
 pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = "gpt3_mcore_tp1_pp1_cp4_p2p"  # 4 ranks
 NPROC = 4
+TARGET = "tests.unit.functional._ending_target"
 
 
 def _running(pid: int) -> bool:
@@ -116,3 +123,33 @@ def test_a_signal_to_the_command_ends_every_process_of_the_run(run_env, launcher
     assert all(Path(r["inductor"]).parent.parent == tmp for r in ranks), ranks
     assert all(Path(r["inductor"]).parent.name.startswith("megatron-hcp-") for r in ranks)
     assert sorted(os.listdir(tmp)) == []
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "forkserver"])
+def test_a_failed_runs_error_ends_with_each_failing_ranks_exception(run_env, monkeypatch,
+                                                                    launcher):
+    env, tmp, _, _ = run_env
+    for name in ("TMPDIR", "ENDING_TARGET_DIR", "PYTHONPATH"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.setenv("ENDING_TARGET_MODE", "fail")
+    recipe = dataclasses.replace(load_recipe(recipe_dir(RECIPE)), worker=TARGET)
+    with pytest.raises(RecipeRunError) as info:
+        run_recipe(recipe, steps=1, echo=None, launch=Launch(launcher=launcher))
+    lines = str(info.value).splitlines()
+    assert lines[-3:] == ["each failing rank's exception:",
+                          "[rank1]: RuntimeError: rank 1 could not save",
+                          "[rank3]: RuntimeError: rank 3 could not save"], str(info.value)
+    assert [p for p in os.listdir(tmp) if p.startswith(("megatron-hcp", "torch"))] == []
+
+
+def test_a_full_standard_output_is_one_line_and_exit_1():
+    with open("/dev/full", "w", encoding="utf-8") as full:
+        proc = subprocess.run([sys.executable, "-m", "megatron_hcp.cli", "layout",
+                               "--world-size", "8", "--context-parallel-size", "4", "--json"],
+                              cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "megatron-hcp layout: error: cannot write the standard output: the file system is "
+        "full (ENOSPC); free space there or write elsewhere"], proc.stderr
+
