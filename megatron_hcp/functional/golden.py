@@ -14,23 +14,35 @@ no repeated key); every golden step must be in the run and every step of the run
 values, and a non-finite value in a run is a failure. Golden files
 are replaced only by :func:`replace_golden`: it refuses a run that is non-finite or shorter than
 the recipe, writes atomically (temporary file, fsync, rename) and reports the change per step.
+One regeneration at a time: :func:`golden_lock` holds a golden file's lock (``<file>.lock``,
+``flock``) from before training until the file is replaced; a second one is refused at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..atomic_write import reclaim_temps, write_atomic
+from ..atomic_write import (
+    OutputPathError,
+    check_output_dir,
+    naming_write_errors,
+    reclaim_temps,
+    write_atomic,
+)
 from ..bounded_read import InputFileError, read_json
 from ..config import MAX_INT, MAX_STEPS
 
-__all__ = ["GATED", "MIN_FRACTION", "Comparison", "GoldenError", "compare", "golden_steps",
-           "load_golden", "replace_golden", "to_golden", "validate_golden", "write_golden"]
+__all__ = ["GATED", "MIN_FRACTION", "Comparison", "GoldenError", "compare", "golden_lock",
+           "golden_steps", "load_golden", "replace_golden", "to_golden", "validate_golden",
+           "write_golden"]
 
 GATED = {"lm loss": 0.05, "num-zeros": 0.20}
 REPORTED = ("iteration-time", "mem-allocated-bytes")
@@ -177,6 +189,70 @@ def replace_golden(path: Path, metrics: dict[str, dict[Any, float]], steps: int,
                      "changed")
     write_golden(path, metrics)
     return lines
+
+
+LOCK_SUFFIX = ".lock"
+
+
+@contextlib.contextmanager
+def golden_lock(path: Path) -> Iterator[Path]:
+    """Hold the exclusive lock of the golden file ``path`` (``<file>.lock`` beside it, ``flock``)
+    for the block; yields the lock file, removed when the block ends.
+
+    Taken before training and without waiting: a second regeneration of the same file is
+    refused at once (:class:`GoldenError` naming the file and the holder's pid), instead of
+    training beside the first and reporting changes against a file the first one replaces.
+    The folder is checked first: a full or read-only file system is refused before training."""
+    path = Path(path)
+    try:
+        check_output_dir(path.parent, "the golden values' folder")
+    except OutputPathError as err:
+        raise GoldenError(f"golden values {path}: {err}") from None
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    with naming_write_errors(lock):
+        fd = _take_lock(lock, path)
+    try:
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)  # while still held: a waiting opener sees a new file
+        os.close(fd)
+
+
+def _take_lock(lock: Path, golden: Path) -> int:
+    """Open ``lock`` and take its flock without waiting; write this process's pid into it.
+    Retries when the holder removed the file between the open and the flock (the lock then
+    held would be on a file nobody else sees)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GoldenError(
+                f"golden values {golden}: another update-golden run (pid {_holder(lock)}) holds "
+                f"its lock {lock}; wait for it to finish, or end it, and run again") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            seen = os.stat(lock)
+        except FileNotFoundError:
+            seen = None
+        mine = os.fstat(fd)
+        if seen is not None and (seen.st_dev, seen.st_ino) == (mine.st_dev, mine.st_ino):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _holder(lock: Path) -> str:
+    """The pid written in a lock file ("unknown" while its holder has not written it yet)."""
+    try:
+        text = lock.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return "unknown"
+    return text if text.isdigit() else "unknown"
 
 
 @dataclass

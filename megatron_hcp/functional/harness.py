@@ -21,7 +21,7 @@ from pathlib import Path
 from ..atomic_write import reclaim_temps
 from ..bounded_read import read_json
 from .bridge_recipe import BridgeRecipe
-from .golden import Comparison, compare, load_golden, replace_golden
+from .golden import Comparison, compare, golden_lock, load_golden, replace_golden
 from .launch import Launch
 from .recipe import RECIPES_DIR, Recipe, load_recipe
 from .signals import end_processes, raising_signals, signal_of
@@ -310,16 +310,21 @@ def update_golden(recipe: Recipe | str, *, echo: Callable[[str], None] | None = 
     """Regenerate the platform's golden values (``golden_values_dev_<platform>.json``); return
     lines saying what changed per step.
 
-    A failed run raises :class:`RecipeRunError`; a diverged (non-finite) or short run is
-    refused by :func:`~.golden.replace_golden`; either way the golden file is untouched."""
+    The golden file's lock (:func:`~.golden.golden_lock`) is taken before training: a second
+    update of the same file, or a folder that cannot be written, is refused at once with a
+    :class:`~.golden.GoldenError`. A failed run raises :class:`RecipeRunError`; a diverged
+    (non-finite) or short run is refused by :func:`~.golden.replace_golden`; either way the
+    golden file is untouched."""
     recipe = _recipe(recipe)
     launch = launch or Launch()
-    reclaim_temps(recipe.golden_path(platform=launch.platform))  # of an interrupted run
-    metrics = run_recipe(recipe, echo=echo, launch=launch)
     if not launch.checks_results:
+        run_recipe(recipe, echo=echo, launch=launch)
         return [f"{recipe.name}: node {launch.node_rank} ran; node 0 writes the golden values"]
-    return replace_golden(recipe.golden_path(platform=launch.platform), metrics,
-                          recipe.steps, recipe.name)
+    path = recipe.golden_path(platform=launch.platform)
+    with golden_lock(path):
+        reclaim_temps(path)  # of an interrupted run
+        metrics = run_recipe(recipe, echo=echo, launch=launch)
+        return replace_golden(path, metrics, recipe.steps, recipe.name)
 
 
 def summary_table(results: list[RecipeResult]) -> str:

@@ -203,6 +203,18 @@ def test_update_golden_refused_at_write_time_is_one_line(tmp_path, monkeypatch, 
         p.name for p in (RECIPES_DIR / RECIPE).iterdir())  # no temporary or lock file
 
 
+def test_update_golden_into_a_full_disk_is_refused_before_training(tmp_path, monkeypatch,
+                                                                    capsys):
+    folder = _recipe_copy(tmp_path)
+    monkeypatch.setattr(harness, "run_recipe", _no_training)
+    _refuse_under(monkeypatch, folder)
+    assert cli.main(["functional", "update-golden", str(folder), "--platform", "cpu_gloo"]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"golden values {folder / 'golden_values_dev_cpu_gloo.json'}: "
+                           f"the golden values' folder '{folder}': cannot write into "), line
+    assert "the file system is full (ENOSPC)" in line
+
+
 # --- the standard output ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [["layout", "--world-size", "8", "--context-parallel-size",

@@ -5,7 +5,8 @@ before SIGKILL), SIGHUP and SIGINT sent to ``megatron-hcp functional run`` alone
 launcher (torchrun, or the forkserver's zygote), every rank and the ranks' own children, remove
 the run's temporary folders (nothing of the run is left in ``$TMPDIR``) and exit 128 + the
 signal's number. A failed run's error ends with each failing rank's exception line. A full
-standard output is one line.
+standard output is one line. A second ``update-golden`` of a golden file that another process
+is regenerating is refused at once, naming that process.
 
 The ranks are a stand-in worker (``_ending_target``: records its processes and waits), started
 through the real command line, launchers and signal handling (``_ending_cli``)."""
@@ -153,3 +154,45 @@ def test_a_full_standard_output_is_one_line_and_exit_1():
         "megatron-hcp layout: error: cannot write the standard output: the file system is "
         "full (ENOSPC); free space there or write elsewhere"], proc.stderr
 
+
+HOLDER = """
+import sys, time
+from megatron_hcp.functional.golden import golden_lock
+with golden_lock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_update_golden_is_refused_while_another_process_updates_the_file(tmp_path, monkeypatch,
+                                                                           capsys):
+    import shutil
+
+    from megatron_hcp import cli
+    from megatron_hcp.functional import harness
+    from megatron_hcp.functional.recipe import RECIPES_DIR
+
+    folder = tmp_path / RECIPE
+    shutil.copytree(RECIPES_DIR / RECIPE, folder)
+    golden = folder / "golden_values_dev_cpu_gloo.json"
+    before = golden.read_bytes()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained beside another update")
+
+    monkeypatch.setattr(harness, "run_recipe", no_training)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(golden)], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        start = time.monotonic()
+        assert cli.main(["functional", "update-golden", str(folder), "--platform",
+                         "cpu_gloo"]) == 1
+        assert time.monotonic() - start < 30  # refused at once, not after waiting
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"golden values {golden}: another update-golden run (pid {holder.pid}) holds its "
+            f"lock {golden}.lock; wait for it to finish, or end it, and run again"]
+    finally:
+        holder.communicate(input="", timeout=60)
+    assert holder.returncode == 0 and golden.read_bytes() == before
+    assert not Path(f"{golden}.lock").exists()
