@@ -1,0 +1,98 @@
+"""Tiny Hugging Face configs of real model families, and Bridge's recipes of them made CPU runs.
+
+* :func:`write_tiny_config`: a ``transformers`` config of Qwen3-MoE, Qwen3 or Llama 3 shrunk to
+  a few layers, saved with ``save_pretrained`` (what a user's local config directory holds);
+  :data:`RECIPES` names Bridge's recipe function of each family, which
+  :func:`megatron_hcp.bridge.offline.recipe_from_hf_config` runs from that directory.
+* :func:`cpu_fp32`: a recipe's ``ConfigContainer`` made a CPU run that CP layouts compare to
+  the last bit (fp32, no fused or Transformer Engine kernels, no recompute; mock data; the
+  optimizer, scheduler and DDP of the project's tiny recipes), the provider's own spec kept
+  with the reference CP attention (``megatron_hcp.bridge.spec.use_cp_attention``: MoE layers,
+  q/k norms, SP norms).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RECIPES", "cpu_fp32", "write_tiny_config"]
+
+_QWEN = "megatron.bridge.recipes.qwen.h100"
+RECIPES = {  # family -> Bridge's pre-training recipe function of it
+    "qwen3_moe": f"{_QWEN}.qwen3_moe:qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config",
+    "qwen3": f"{_QWEN}.qwen3:qwen3_600m_pretrain_1gpu_h100_bf16_config",
+    "llama3": "megatron.bridge.recipes.llama.h100.llama3:llama3_8b_pretrain_2gpu_h100_bf16_config",
+}
+
+_COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def _config(family: str, fields: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**{**_COMMON, "head_dim": 16, "moe_intermediate_size": 32,
+                                 "num_experts": 8, "num_experts_per_tok": 2,
+                                 "architectures": ["Qwen3MoeForCausalLM"], **fields})
+    if family == "qwen3":
+        return Qwen3Config(**{**_COMMON, "head_dim": 16,
+                              "architectures": ["Qwen3ForCausalLM"], **fields})
+    if family == "llama3":
+        return LlamaConfig(**{**_COMMON, "architectures": ["LlamaForCausalLM"], **fields})
+    raise ValueError(f"family={family!r}: one of {', '.join(RECIPES)}")
+
+
+def write_tiny_config(family: str, directory: Path, **fields: Any) -> Path:
+    """A tiny ``family`` config (2 layers, hidden 64, 4 heads / 2 KV heads, vocabulary 256;
+    Qwen3-MoE: 8 experts of 32, top-2), ``fields`` on top, saved to ``directory``."""
+    directory = Path(directory)
+    _config(family, fields).save_pretrained(str(directory))
+    return directory
+
+
+def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,
+             global_batch_size: int = 8, seed: int = 1234) -> Any:
+    """``cfg`` (a Bridge recipe's) as a CPU fp32 run on mock data: the model keeps its
+    architecture (the recipe's provider), everything a GPU run adds is turned off."""
+    import torch
+    from megatron.bridge.training.config import MockGPTDatasetConfig
+
+    from megatron_hcp.bridge.recipes import _common_training
+    from megatron_hcp.bridge.spec import use_cp_attention
+
+    model = cfg.model
+    for name, value in {
+        "bf16": False, "fp16": False, "params_dtype": torch.float32,
+        "pipeline_dtype": torch.float32, "transformer_impl": "local",
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "bias_dropout_fusion": False,
+        "bias_activation_fusion": False, "masked_softmax_fusion": False,
+        "apply_rope_fusion": False, "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False, "cross_entropy_loss_fusion": False,
+        "calculate_per_token_loss": True, "recompute_granularity": None,
+        "recompute_method": None, "recompute_num_layers": None, "seq_length": seq_length,
+        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "sequence_parallel": False, "cuda_graph_impl": "none", "init_method_std": 0.02,
+    }.items():
+        setattr(model, name, value)
+    use_cp_attention(model, backend="reference")
+    if getattr(model, "num_moe_experts", None):
+        for name, value in {
+            "moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_router_fusion": False,
+            "moe_token_dispatcher_type": "alltoall", "moe_flex_dispatcher_backend": None,
+            "moe_shared_expert_overlap": False, "moe_router_dtype": "fp32",
+        }.items():
+            setattr(model, name, value)
+    cfg.dataset = MockGPTDatasetConfig(
+        random_seed=seed, reset_attention_mask=False, reset_position_ids=False,
+        eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
+        dataloader_type="single", num_workers=0, data_sharding=True)
+    cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model = "NullTokenizer", None
+    cfg.tokenizer.vocab_size, cfg.tokenizer.use_tokenizer_vocab_size = model.vocab_size, False
+    cfg.env_vars = {}
+    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+                            micro_batch_size=1, lr=1e-3, seed=seed)
