@@ -168,6 +168,29 @@ EDITS: dict[str, list] = {
     "cpu-timers": _torch_view_edit("cpu-timers"),
     "cpu-dist-checkpointing": _torch_view_edit("cpu-dist-checkpointing"),
     "cpu-ddp-wrap": _torch_view_edit("cpu-ddp-wrap"),
+    "cpu-moe-router-device": _torch_view_edit("cpu-moe-router-device"),
+    "moe-router-gating-without-te": [(
+        "megatron/core/transformer/moe/moe_utils.py",
+        "    HAVE_TE = True\nexcept ImportError:\n    HAVE_TE = False\n",
+        "    HAVE_TE = True\nexcept ImportError:\n    HAVE_TE = False\n"
+        "    # megatron-hcp moe-router-gating-without-te: the router's gating takes the torch\n"
+        "    # branch (te_general_gemm was left undefined: NameError)\n"
+        "    te_general_gemm = None\n")],
+    "cpu-moe-alltoall-dispatcher": [_append(
+        "megatron/core/transformer/moe/token_dispatcher.py",
+        _view_tail("cpu-moe-alltoall-dispatcher",
+                   by_name(["cpu-moe-alltoall-dispatcher"])[0].summary, '''
+    _upstream_maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        """Upstream's, and a CPU tensor asked for ``as_numpy`` becomes a NumPy array too (the
+        split sizes all_to_all_single takes, as on a GPU)."""
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy().copy()
+        return _upstream_maybe_move_tensor_to_cpu(
+            tensor, as_numpy=as_numpy, record_stream=record_stream
+        )
+'''))],
     "mla-without-te": [(
         "megatron/core/transformer/multi_latent_attention.py",
         "    HAVE_TE = True\nexcept ImportError:\n",
@@ -613,6 +636,14 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
          "        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)\n"),
         _append("megatron/core/ssm/mamba_mixer.py", _no_cp_group("mamba-dynamic-cp-group")),
     ],
+    "moe-metrics-collection-dp": [(
+        "megatron/core/transformer/moe/moe_logging.py",
+        "            dp_group = getattr(pg_collection, 'dp_cp_gtp_remat', None)\n",
+        "            dp_group = getattr(pg_collection, 'dp_cp_gtp_remat', None)\n"
+        "            # megatron-hcp moe-metrics-collection-dp: a collection without gtp_remat\n"
+        "            # groups (one rank on that axis) averages over its own dp_cp group\n"
+        "            if dp_group is None:\n"
+        "                dp_group = getattr(pg_collection, 'dp_cp', None)\n")],
     "pg-collection-repr": [(
         "megatron/core/process_groups_config.py",
         "                if pg is not None:\n"

@@ -53,7 +53,8 @@ DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-variabl
 
 # what megatron-core's training path needs without MPU globals (decentralized process groups)
 DECENTRALIZED_PATCHES: tuple[str, ...] = ("cross-entropy-model-tp-group",
-                                          "chained-optimizer-count-zeros-tp-group")
+                                          "chained-optimizer-count-zeros-tp-group",
+                                          "moe-metrics-collection-dp")
 
 
 def apply_dynamic_cp() -> None:

@@ -199,6 +199,39 @@ def _make_embedding_sync(original):
     return setup_embeddings_and_output_layer
 
 
+def _make_split_sizes_as_on_a_gpu(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        """Upstream's, and a CPU tensor asked for ``as_numpy`` becomes a NumPy array too (a
+        copy, as upstream's device-to-host copy is): on a GPU the alltoall dispatcher's split
+        sizes reach ``all_to_all_single`` as NumPy arrays made here; on the CPU upstream skips
+        them (not CUDA), and tensors as split sizes are refused by torch's binding
+        (``TypeError``)."""
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy().copy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _make_router_gating_without_te(original):
+    def router_gating_linear(inp, weight, bias, router_dtype):
+        """Upstream's where Transformer Engine imports; without it, upstream's own torch branch
+        (the logits in ``router_dtype``; autograd casts the gradients back as upstream's
+        backward does): 0.16.1's ``moe_utils`` leaves ``te_general_gemm`` undefined when TE
+        is absent, so its gating raises ``NameError``."""
+        from megatron.core.transformer.moe import moe_utils
+
+        if "te_general_gemm" in vars(moe_utils):
+            return original(inp, weight, bias, router_dtype)
+        shape = inp.shape
+        out = torch.nn.functional.linear(
+            inp.reshape(-1, shape[-1]).to(router_dtype), weight.to(router_dtype),
+            None if bias is None else bias.to(router_dtype))
+        return out.view(*shape[:-1], -1)
+
+    return router_gating_linear
+
+
 class _AbsentTELinear:
     """Stands for TE's ``TELinear`` where Transformer Engine is absent: nothing is one."""
 
@@ -212,6 +245,7 @@ def _mla_te_linear(original: Any) -> Any:
 
 
 _ROPE = "megatron.core.models.common.embeddings"
+_MOE = "megatron.core.transformer.moe"
 
 CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
     _torch_view(
@@ -367,6 +401,46 @@ CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
                 "LanguageModule.setup_embeddings_and_output_layer",
                 _make_embedding_sync,
             ),
+        ),
+        category="cpu-runtime",
+    ),
+    _torch_view(
+        f"{_MOE}.router",
+        "megatron/core/transformer/moe/router.py:90-92 Router.gating moves the weight and bias "
+        "to torch.cuda.current_device(); 164-198 expert-bias and global aux-loss buffers on it "
+        "(0.19.2: 98-100, 180-247)",
+        "cpu-moe-router-device",
+        "the MoE router's weight, bias and token-count buffers stay on the CPU",
+    ),
+    Patch(
+        name="moe-router-gating-without-te",
+        summary="the MoE router's gating runs without Transformer Engine (upstream's torch "
+        "branch instead of a NameError)",
+        upstream="megatron/core/transformer/moe/moe_utils.py:24-39 imports te_general_gemm "
+        "only where TE imports and defines no fallback, 1192 and 1225 read it: "
+        "router_gating_linear (router.py:100) raises NameError without TE (0.19.2 defines "
+        "None fallbacks: nothing to change)",
+        versions=VERSIONS,
+        targets=(Target(f"{_MOE}.router", "router_gating_linear",
+                        _make_router_gating_without_te, versions=("0.16.1",),
+                        params=("inp", "weight", "bias", "router_dtype")),),
+        category="cpu-runtime",
+    ),
+    Patch(
+        name="cpu-moe-alltoall-dispatcher",
+        summary="the MoE alltoall dispatcher runs on the CPU: its device-to-host stream is a "
+        "no-op and its split sizes reach all_to_all_single as NumPy arrays, as on a GPU",
+        upstream="megatron/core/transformer/moe/token_dispatcher.py:445 torch.cuda.Stream(); "
+        "871-893 _maybe_dtoh_and_synchronize: maybe_move_tensor_to_cpu(..., as_numpy=True) "
+        "turns only CUDA tensors into NumPy split sizes (moe_utils.py:1093), CPU tensors stay "
+        "tensors, which tensor_parallel/mappings.py:_AllToAll hands to all_to_all_single "
+        "(TypeError) (0.19.2: 469, 913-947)",
+        versions=VERSIONS,
+        targets=(
+            Target(f"{_MOE}.token_dispatcher", "torch", CpuDeviceTorch),
+            Target(f"{_MOE}.token_dispatcher", "maybe_move_tensor_to_cpu",
+                   _make_split_sizes_as_on_a_gpu,
+                   params=("tensor", "as_numpy", "record_stream")),
         ),
         category="cpu-runtime",
     ),

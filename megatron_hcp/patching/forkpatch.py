@@ -56,7 +56,8 @@ SERIES: tuple[str, ...] = (
     "destroy-forgets-stale-groups", "te-attention-hcp", "p2p-variable-seq-lengths",
     "chained-optimizer-count-zeros-tp-group", "mtp-dynamic-cp-group", "mamba-dynamic-cp-group",
     "pg-collection-repr", "cpu-sequence-parallel", "mla-without-te", "cpu-timers",
-    "cpu-dist-checkpointing", "cpu-ddp-wrap",
+    "cpu-dist-checkpointing", "cpu-ddp-wrap", "cpu-moe-router-device",
+    "moe-router-gating-without-te", "cpu-moe-alltoall-dispatcher", "moe-metrics-collection-dp",
 )
 
 

@@ -89,6 +89,33 @@ def _make_attention_forward(original):
     return forward
 
 
+def _with_dp_cp_gtp_remat(pg_collection: Any) -> Any:
+    """``pg_collection`` with ``dp_cp_gtp_remat`` = its ``dp_cp`` where it has none (a copy;
+    the caller's collection is unchanged). A collection without the group has no
+    weight-rematerialization axis (one rank), so the two groups are one."""
+    if getattr(pg_collection, "dp_cp_gtp_remat", None) is not None or getattr(
+            pg_collection, "dp_cp", None) is None:
+        return pg_collection
+    import copy
+
+    completed = copy.copy(pg_collection)
+    completed.dp_cp_gtp_remat = pg_collection.dp_cp
+    return completed
+
+
+def _make_moe_metrics_sync(original):
+    def _sync_metrics(self, metric_names, pg_collection=None):
+        """Upstream's, averaging over the collection's own data-parallel group: a collection
+        without ``dp_cp_gtp_remat`` (Megatron-Bridge 0.6.2's decentralized one) gets its
+        ``dp_cp`` there, instead of megatron's global data-parallel group, which the
+        decentralized path never creates."""
+        if pg_collection is not None:
+            pg_collection = _with_dp_cp_gtp_remat(pg_collection)
+        return original(self, metric_names, pg_collection)
+
+    return _sync_metrics
+
+
 # tags of the variable-length pipeline exchange: one ordered stream per kind and direction
 _TAG_SHAPE_FWD, _TAG_SHAPE_BWD, _TAG_DATA_FWD, _TAG_DATA_BWD = 11, 12, 13, 14
 
@@ -384,6 +411,23 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
         targets=(
             Target("megatron.core.process_groups_config", "ProcessGroupCollection.__repr__",
                    _make_pgc_repr),
+        ),
+    ),
+    Patch(
+        name="moe-metrics-collection-dp",
+        summary="MoE metrics (aux losses) average over the process-group collection's own "
+        "data-parallel group when it has no dp_cp_gtp_remat (Bridge's decentralized path)",
+        upstream="megatron/core/transformer/moe/moe_logging.py:249-268 (0.19.2) "
+        "MoEMetricsTracker._sync_metrics reads pg_collection.dp_cp_gtp_remat and, when the "
+        "collection has none, megatron's global data-parallel group: Bridge 0.6.2's "
+        "_create_pg_collection (training/initialize.py:534) sets no gtp_remat groups, so a "
+        "decentralized MoE run fails at its first MoE log ('data parallel group (with "
+        "GTP_remat) is not initialized'); 0.16.1 reduces over pg_collection.dp",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.transformer.moe.moe_logging", "MoEMetricsTracker._sync_metrics",
+                   _make_moe_metrics_sync, versions=_V19,
+                   params=("self", "metric_names", "pg_collection")),
         ),
     ),
 )
