@@ -44,9 +44,11 @@ from ..attention.te import rebind_te_cp_groups
 from ..config import CPConfig, CPConfigError, Violation
 from ..group_release import release_at_exit
 from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
+from ..patching.mla import MLA_DECENTRALIZED_PATCHES
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
 from .config import cp_config_from_bridge
 from .dynamic_cp import cp_config_of, dynamic_cp_targets
+from .mtp import BRIDGE_MTP_PATCHES
 
 __all__ = [
     "BRIDGE_LOOP_PATCHES",
@@ -333,7 +335,7 @@ def _loop_patch(name: str, summary: str, upstream: str) -> Patch:
 
 # Bridge's training loop (pretrain / finetune) with megatron-hcp's CP: validation before any
 # process group, the MPU path's groups checked and logged, dynamic CP (megatron_hcp.bridge.
-# dynamic_cp)
+# dynamic_cp); the MTP block of a provider on megatron-hcp's spec without TE (.mtp)
 BRIDGE_LOOP_PATCHES: tuple[Patch, ...] = (
     _loop_patch("bridge-cp-setup",
                 "pretrain()/finetune() read the CP fields strictly at entry and setup validates "
@@ -357,7 +359,7 @@ BRIDGE_LOOP_PATCHES: tuple[Patch, ...] = (
                 "its CP group in PackedSeqParams)",
                 "megatron/bridge/training/gpt_step.py:305-336 get_batch (cuts packed batches "
                 "for the static CP group), packed_seq_utils.get_packed_seq_params"),
-)
+) + BRIDGE_MTP_PATCHES
 
 
 # ---------------------------------------------------------------------------- install
@@ -381,13 +383,15 @@ def _hook_patches() -> tuple[Patch, ...]:
 
 def _core_patches() -> list[Patch]:
     """megatron-core patches Bridge's loop needs for megatron-hcp's CP: dynamic CP (RoPE, MTP
-    and pipeline shapes per micro-batch), the decentralized path's TP-group fixes, and
-    Transformer Engine's attention honouring hcp and dynamic groups where TE imports."""
+    and pipeline shapes per micro-batch), the decentralized path's TP-group fixes and MTP's
+    groups (``mtp-collection-groups``, megatron-core 0.19.2), and Transformer Engine's
+    attention honouring hcp and dynamic groups where TE imports."""
     from ..patching import DECENTRALIZED_PATCHES, DYNAMIC_CP_PATCHES, by_name
 
     patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, "destroy-forgets-stale-groups",
                        "rope-cp-partition-mode"])
-    return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"])
+    mtp = [p for p in MLA_DECENTRALIZED_PATCHES if p.supports()]  # megatron-core 0.19.2's MTP
+    return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"]) + mtp
             if not p.missing_requirement()]
 
 

@@ -693,3 +693,56 @@ def test_bridge_mtp_block_needs_te(bridge):
     with pytest.raises(TypeError, match="not callable"):
         mtp_block_spec(provider)
     assert hcp_spec.mtp_block_spec(provider) is not None
+
+
+@needs_bridge
+@pytest.mark.parametrize("how", ["assigned", "kept"])
+def test_the_mtp_patch_gives_bridge_megatron_hcps_mtp_block(bridge, how, monkeypatch):
+    """``bridge-mtp-block-spec-local``: for a provider on megatron-hcp's spec (layer_spec
+    assigned, or use_cp_attention) Bridge's own mtp_block_spec gives megatron's MTP block on the
+    local backend with the CP attention, and Bridge's provide() builds DeepSeek-V3 with its MTP
+    layer on one CPU rank; without the patch both raise (TE's block). A provider on its own spec
+    still gets Bridge's function."""
+    import torch
+    from megatron.bridge.models import gpt_provider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hcp.bridge.mtp import BRIDGE_MTP_PATCHES
+    from megatron_hcp.patching.registry import apply, revert
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # MLA's / YaRN's tables
+
+    def on_hcp_spec(provider):
+        if how == "assigned":
+            provider.transformer_layer_spec = hcp_spec.layer_spec
+        else:
+            hcp_spec.use_cp_attention(provider)
+        return provider
+
+    def mtp_provider():
+        provider = _cpu_ready(_deepseek_v3(), "deepseek_v3")
+        provider.mtp_num_layers = 1
+        return provider
+
+    own = mtp_provider()
+    ref = get_gpt_mtp_block_spec(own, _own_without_te(own), use_transformer_engine=False)
+    provider = on_hcp_spec(mtp_provider())
+    provider.finalize()
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    with pytest.raises(TypeError, match="not callable"):
+        provider.provide()
+    patch = BRIDGE_MTP_PATCHES[:1]
+    assert patch[0].name == "bridge-mtp-block-spec-local"
+    apply(patch)
+    try:
+        assert_only_attention_swapped(ref, gpt_provider.mtp_block_spec(provider))
+        with pytest.raises(TypeError, match="not callable"):
+            gpt_provider.mtp_block_spec(own)  # its own spec: Bridge's function
+        model = provider.provide()
+    finally:
+        revert(patch)
+    inner = model.mtp.layers[0].mtp_model_layer
+    assert type(inner.self_attention).__name__ == "MLASelfAttention"
+    assert isinstance(inner.self_attention.core_attention, ReferenceCPAttention)
+    assert type(inner.mlp).__name__ == "MoELayer" and inner.mlp.shared_experts is not None
