@@ -13,6 +13,10 @@ providers from Hugging Face configs, which needs a download; these need none.
 * :func:`tiny_llama_sft_config`: Bridge's packed SFT dataset (``GPTSFTPackedParquetDataset``)
   over variable-length sequences, written by :func:`write_packed_sft_data` with Bridge's own
   Parquet writer, and a word-level Hugging Face tokenizer (:func:`write_tokenizer`).
+* :func:`tiny_deepseek_v3_pretrain_config`: the DeepSeek-V3 architecture (MLA, YaRN RoPE, a dense
+  and a MoE layer with a shared expert, multi-token prediction) as Bridge's own DeepSeek-V3
+  bridge makes its provider from a Hugging Face config - built in memory, no download - on
+  Bridge's mock GPT dataset.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["tiny_llama_pretrain_config", "tiny_llama_sft_config", "write_packed_sft_data",
-           "write_tokenizer"]
+__all__ = ["tiny_deepseek_v3_pretrain_config", "tiny_llama_pretrain_config",
+           "tiny_llama_sft_config", "write_packed_sft_data", "write_tokenizer"]
 
 
 def _tiny_llama(seq_length: int, vocab_size: int, num_layers: int, hidden_size: int,
@@ -101,6 +105,78 @@ def tiny_llama_pretrain_config(*, seq_length: int = 64, vocab_size: int = 256,
     cfg = _pretrain_common()
     cfg.model = _tiny_llama(seq_length, vocab_size, num_layers, hidden_size,
                             num_attention_heads, num_query_groups, ffn_hidden_size)
+    cfg.tokenizer.tokenizer_type = "NullTokenizer"
+    cfg.tokenizer.tokenizer_model = None
+    cfg.tokenizer.vocab_size = vocab_size
+    cfg.tokenizer.use_tokenizer_vocab_size = False
+    cfg.dataset = MockGPTDatasetConfig(
+        random_seed=seed, reset_attention_mask=False, reset_position_ids=False,
+        eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
+        dataloader_type="single", num_workers=0, data_sharding=True)
+    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+                            micro_batch_size=micro_batch_size, lr=lr, seed=seed)
+
+
+def _tiny_deepseek_v3(seq_length: int, vocab_size: int, num_layers: int, hidden_size: int,
+                      num_attention_heads: int, num_experts: int, mtp_num_layers: int) -> Any:
+    """Bridge's DeepSeek-V3 provider (``DeepSeekV3Bridge.provider_bridge``) of a tiny Hugging
+    Face ``DeepseekV3Config``: the first layer dense, the others MoE (``first_k_dense_replace=1``
+    -> ``moe_layer_freq``), top-2 routing over ``num_experts`` experts plus one shared expert,
+    MLA with low-rank q and kv, YaRN RoPE (factor 4 over 32 original positions), sigmoid scores
+    with expert bias and the sequence auxiliary loss, ``mtp_num_layers`` MTP layers. Its own
+    spec function (megatron's block spec) is kept with megatron-hcp's CP attention
+    (:func:`~megatron_hcp.bridge.spec.use_cp_attention`); Bridge's GPU choices become a CPU fp32
+    run's (no fused kernels, no grouped GEMM, the allgather dispatcher, fp32 router)."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
+    from transformers import DeepseekV3Config
+
+    from .spec import use_cp_attention
+
+    hf_config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2, num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_attention_heads,
+        n_routed_experts=num_experts, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_nextn_predict_layers=mtp_num_layers, max_position_embeddings=4 * seq_length,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, architectures=["DeepseekV3ForCausalLM"])
+    provider = DeepSeekV3Bridge().provider_bridge(SimpleNamespace(config=hf_config))
+    for name, value in {
+        "seq_length": seq_length, "make_vocab_size_divisible_by": 128,
+        # fp32 and no fused kernels: runs anywhere, and CP layouts compare to the last bit
+        "bf16": False, "fp16": False, "params_dtype": torch.float32,
+        "pipeline_dtype": torch.float32, "autocast_dtype": torch.float32,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "bias_dropout_fusion": False,
+        "bias_activation_fusion": False, "masked_softmax_fusion": False,
+        "apply_rope_fusion": False, "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False, "cross_entropy_loss_fusion": False,
+        "calculate_per_token_loss": True, "moe_grouped_gemm": False,
+        "moe_permute_fusion": False, "moe_router_fusion": False,
+        "moe_shared_expert_overlap": False, "moe_token_dispatcher_type": "allgather",
+    }.items():
+        setattr(provider, name, value)
+    return use_cp_attention(provider)
+
+
+def tiny_deepseek_v3_pretrain_config(*, seq_length: int = 64, vocab_size: int = 256,
+                                     num_layers: int = 2, hidden_size: int = 64,
+                                     num_attention_heads: int = 4, num_experts: int = 4,
+                                     mtp_num_layers: int = 1, train_iters: int = 6,
+                                     global_batch_size: int = 8, micro_batch_size: int = 1,
+                                     lr: float = 1e-3, seed: int = 1234) -> Any:
+    """Pre-training of a tiny DeepSeek-V3 (:func:`_tiny_deepseek_v3`; ``mtp_num_layers=0``: no
+    MTP) on Bridge's mock GPT dataset (Bridge's pretrain base)."""
+    from megatron.bridge.recipes.common import _pretrain_common
+    from megatron.bridge.training.config import MockGPTDatasetConfig
+
+    cfg = _pretrain_common()
+    cfg.model = _tiny_deepseek_v3(seq_length, vocab_size, num_layers, hidden_size,
+                                  num_attention_heads, num_experts, mtp_num_layers)
     cfg.tokenizer.tokenizer_type = "NullTokenizer"
     cfg.tokenizer.tokenizer_model = None
     cfg.tokenizer.vocab_size = vocab_size
