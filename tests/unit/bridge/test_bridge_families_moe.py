@@ -16,6 +16,10 @@ allgather dispatcher, every step:
 * the load-balancing loss of every layer (megatron's MoE metrics, summed over all ranks before
   megatron's own reduction) within 1e-5.
 
+With ``global_aux_loss`` the twin must split the global batch as the CP run does (data-parallel
+ranks x micro-batches): megatron defines that loss over each micro-batch's ranks, so two CP=1
+layouts with different splits train different losses too (pinned here).
+
 ``python -m tests.unit.bridge.test_bridge_families_moe --world 8`` runs the same comparison with
 TP2 + sequence parallelism x CP4 on 8 ranks (a manual figure: the table of deviations).
 """
@@ -47,7 +51,10 @@ LAYOUTS = {  # expert parallelism and dispatcher: the HCP run and its CP=1 twin 
     f"ep{ep}_{dispatcher}": [f"model.expert_model_parallel_size={ep}",
                              f"model.moe_token_dispatcher_type={dispatcher}"]
     for ep in (1, 2) for dispatcher in ("alltoall", "allgather")}
+GLOBAL_AUX = ["model.moe_router_load_balancing_type=global_aux_loss"]
 LOAD_BALANCING = "load_balancing_loss"
+# megatron's MoE metrics of the three load-balancing losses (router.py _apply_*aux_loss)
+LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 
 
 # ------------------------------------------------------------------------------ on each rank
@@ -90,13 +97,13 @@ class _RoutingProbe:
         return step
 
 
-def _load_balancing_losses() -> list[float]:
-    """This rank's load-balancing loss per layer, summed over the step's micro-batches
+def _load_balancing_losses() -> dict[str, list[float]]:
+    """This rank's load-balancing losses per layer, summed over the step's micro-batches
     (megatron's MoE metrics before their reduction over ranks)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    entry = get_moe_metrics_tracker()._metrics.get(LOAD_BALANCING)
-    return [] if entry is None else entry.values.tolist()
+    metrics = get_moe_metrics_tracker()._metrics
+    return {name: metrics[name].values.tolist() for name in LOSSES if name in metrics}
 
 
 def _merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -112,7 +119,8 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
                 into["counts"] = [a + b for a, b in zip(into["counts"], record["counts"])]
                 into["sets"].update(record["sets"])
                 into["margin"] = min(into["margin"], record["margin"])
-        losses = [sum(values) for values in zip(*(row["aux"] for row in rows))]
+        losses = {name: [sum(values) for values in zip(*(row["aux"][name] for row in rows))]
+                  for name in rows[0]["aux"]}
         steps.append({"routing": routing, "aux": losses})
     return steps
 
@@ -192,18 +200,20 @@ def assert_same_routing(run: dict, base: dict, rtol: float = RTOL) -> None:
             assert record["counts"] == other["counts"] and record["sets"] == other["sets"], (
                 f"step {step}, layer {layer}: the routing differs ({moved} expert choices "
                 f"moved); smallest top-k margin of the step {margin:.3g}")
-        for layer, (a, b) in enumerate(zip(mine["aux"], theirs["aux"]), 1):
-            assert abs(a - b) <= rtol * abs(b), (LOAD_BALANCING, step, layer, a, b)
+        assert mine["aux"].keys() == theirs["aux"].keys(), step
+        for name, values in mine["aux"].items():
+            for layer, (a, b) in enumerate(zip(values, theirs["aux"][name]), 1):
+                assert abs(a - b) <= rtol * abs(b), (name, step, layer, a, b)
 
 
 def deviations(run: dict, base: dict) -> dict[str, float]:
-    """The largest relative deviation of lm loss, grad norm and load-balancing loss."""
+    """The largest relative deviation of lm loss, grad norm and each load-balancing loss."""
     out = {}
     for key in ("loss", "grad_norm"):
         out[key] = max(abs(a - b) / abs(b) for a, b in zip(run[key], base[key]))
-    out[LOAD_BALANCING] = max(abs(a - b) / abs(b) for mine, theirs in zip(run["steps"],
-                                                                         base["steps"])
-                              for a, b in zip(mine["aux"], theirs["aux"]))
+    for name in run["steps"][0]["aux"]:
+        out[name] = max(abs(a - b) / abs(b) for mine, theirs in zip(run["steps"], base["steps"])
+                        for a, b in zip(mine["aux"][name], theirs["aux"][name]))
     return out
 
 
@@ -282,9 +292,25 @@ def test_the_routing_comparison_fails_on_one_token_routed_elsewhere(world, moe_d
     with pytest.raises(AssertionError, match="step 3, layer 1: the routing differs"):
         assert_same_routing(run, base)
     run = copy.deepcopy(base)
-    run["steps"][4]["aux"][1] *= 1 + 3 * RTOL
+    run["steps"][4]["aux"][LOAD_BALANCING][1] *= 1 + 3 * RTOL
     with pytest.raises(AssertionError, match=LOAD_BALANCING):
         assert_same_routing(run, base)
+
+
+def test_the_global_aux_loss_follows_the_batch_split_not_cp(world, moe_dir):
+    """megatron's ``global_aux_loss`` (router.py:504-548) averages, over the step's micro-batches
+    so far, token counts all-reduced over TP x DP x CP at each micro-batch: its value depends on
+    how the global batch is split into data-parallel ranks and micro-batches, which CP changes
+    (CP ranks share each sequence; the CP=1 twin's are data-parallel ranks with sequences of
+    their own). CP2 x DP2 trains like TP2+SP x DP2 (one split: 2 sequences a micro-batch over
+    the group, 4 micro-batches); DP4 (4 sequences, 2 micro-batches) trains another loss, as
+    CP4 (1 sequence, 8) does: with it a CP run is compared with a twin of the same split."""
+    moe = [*LAYOUTS["ep1_alltoall"], *GLOBAL_AUX, *DECENTRALIZED]
+    cp2 = _history(world, moe_dir, [*moe, "model.context_parallel_size=2"])
+    tp2 = _history(world, moe_dir, [*moe, *TP2])
+    assert_same(cp2, tp2)
+    assert "global_load_balancing_loss" in cp2["steps"][0]["aux"]
+    assert deviations(_history(world, moe_dir, moe), tp2)["grad_norm"] > RTOL
 
 
 # ------------------------------------------------------------------------------ manual figure
