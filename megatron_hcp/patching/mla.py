@@ -15,6 +15,9 @@ prediction) needs of megatron-core beyond the other CPU-runtime and integration 
   context (:func:`model_groups`) while a model is built (by whoever builds it: Megatron-Bridge's
   provider through ``megatron_hcp.bridge``) and while ``GPTModel`` post-processes its output.
   Where megatron's global groups exist (the MPU path) every answer is megatron's own.
+  ``mla-tp-group``: with tensor parallelism, MLA gathers its compressed q / kv over megatron's
+  global TP group (no ``group`` passed; every other MLA call passes its own); the patch passes
+  the module's own TP group there.
 
 Apply with :func:`apply_mla_cpu_runtime` (a run on the CPU) and :func:`apply_mla_decentralized`
 (any device; ``megatron_hcp.bridge.install()`` does).
@@ -45,6 +48,7 @@ __all__ = ["MLA_CPU_RUNTIME_PATCHES", "MLA_DECENTRALIZED_PATCHES", "ModelGroups"
 
 _ROPE = "megatron.core.models.common.embeddings"
 _MTP = "megatron.core.transformer.multi_token_prediction"
+_MLA = "megatron.core.transformer.multi_latent_attention"
 
 
 # ---------------------------------------------------------------------------- the model's groups
@@ -160,6 +164,33 @@ def _make_postprocess(original: Callable) -> Callable:
     return _postprocess
 
 
+_MLA_TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_hcp_mla_tp_group",
+                                                                   default=None)
+
+
+def _make_own_tp_group(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def mapping(input_, group=None):
+        """Upstream's, over the calling MLA module's TP group when no group is given (inside
+        ``MLASelfAttention.get_query_key_value_tensors``; elsewhere megatron's global one)."""
+        return original(input_, group if group is not None else _MLA_TP_GROUP.get())
+
+    return mapping
+
+
+def _make_qkv_with_own_tp_group(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        """Upstream's, with this module's TP group for the q / kv gathers it leaves groupless."""
+        token = _MLA_TP_GROUP.set(self.pg_collection.tp)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _MLA_TP_GROUP.reset(token)
+
+    return get_query_key_value_tensors
+
+
 # ---------------------------------------------------------------------------- MTP token counts
 # process_mtp_loss (0.19.2, multi_token_prediction.py:883): the per-token branch's first line; the
 # counts are reduced over the CP group just before it
@@ -235,6 +266,25 @@ MLA_DECENTRALIZED_PATCHES: tuple[Patch, ...] = (
                    _make_postprocess, params=("self", "hidden_states")),
         ),
     ),
+    Patch(
+        name="mla-tp-group",
+        summary="MLA gathers its compressed q / kv over its own TP group, not megatron's global "
+        "one (tensor parallelism on the decentralized path)",
+        upstream="megatron/core/transformer/multi_latent_attention.py:652,654 "
+        "(MLASelfAttention._qkv_down_projection) and 739,746 (get_query_key_value_tensors) "
+        "gather_from_tensor_model_parallel_region / scatter_to_sequence_parallel_region "
+        "without group: megatron's global TP group, None without it (AttributeError "
+        "'NoneType' object has no attribute 'size'); 0.16.1: 594,596,607,614",
+        versions=("0.16.1", "0.19.2"),
+        targets=(
+            Target(_MLA, "gather_from_tensor_model_parallel_region", _make_own_tp_group,
+                   params=("input_", "group")),
+            Target(_MLA, "scatter_to_sequence_parallel_region", _make_own_tp_group,
+                   params=("input_", "group")),
+            Target(_MLA, "MLASelfAttention.get_query_key_value_tensors",
+                   _make_qkv_with_own_tp_group, params=("self", "hidden_states")),
+        ),
+    ),
 )
 
 
@@ -244,8 +294,8 @@ def apply_mla_cpu_runtime() -> list[str]:
 
 
 def apply_mla_decentralized() -> list[str]:
-    """Apply :data:`MLA_DECENTRALIZED_PATCHES` where the installed megatron-core has them
-    (nothing to do on other releases); return the names applied."""
+    """Apply the :data:`MLA_DECENTRALIZED_PATCHES` written for the installed megatron-core
+    (``mtp-collection-groups`` is 0.19.2's only); return the names applied."""
     return apply(p for p in MLA_DECENTRALIZED_PATCHES if p.supports())
 
 

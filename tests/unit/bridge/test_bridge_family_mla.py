@@ -9,13 +9,14 @@ scores with expert bias, the sequence auxiliary loss), one MTP layer - with Deep
 function and megatron-hcp's CP attention (``use_cp_attention``), fp32.
 CP4 ``a2a+p2p`` [2,2] on the decentralized path (``dist.use_decentralized_pg=true``) and on the
 MPU path each equal Bridge's CP=1 run of the same path (the CP ranks become data-parallel
-ranks): lm loss and grad norm per step, 5 steps, within 1e-5 relative.
+ranks): lm loss and grad norm per step, 5 steps, within 1e-5 relative; so does TP2+SP x CP2 on
+the decentralized path.
 
 What it needs (named patches): ``cpu-yarn-rope-device`` (YaRN's frequencies on the CPU),
 ``bridge-mtp-block-spec-local`` (Bridge asks for TE's MTP block always), ``bridge-model-groups``
 and ``mtp-collection-groups`` (megatron-core's MTP reads the global pipeline and data-parallel
-groups, which the decentralized path never creates), and the MoE CPU runtime
-(``cpu-moe-router-device``).
+groups, which the decentralized path never creates), ``mla-tp-group`` (MLA's q / kv gathers
+read the global TP group), and the MoE CPU runtime (``cpu-moe-router-device``).
 
 MTP under CP: megatron-core 0.19.2 scales each CP rank's MTP token losses by that rank's own
 ``tokens / tokens after the roll`` (only one rank loses a token to it), so the MTP gradient
@@ -188,6 +189,18 @@ def test_hcp_trains_the_mla_family_like_bridges_cp1_run(world, path, mtp):
     assert _deviation(run, base) <= RTOL, (run["loss"], base["loss"], run["grad_norm"],
                                            base["grad_norm"])
     assert run["architecture"]["cp_size"] == 4 and base["architecture"]["cp_size"] == 1
+
+
+def test_tp2_sp_cp2_on_the_decentralized_path_like_bridges_cp1_run(world):
+    """Tensor parallelism with SP beside CP on the decentralized path (MLA's q / kv gathers over
+    its own TP group: ``mla-tp-group``), MTP included: equal to TP2 x CP=1."""
+    tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    path = PATHS["decentralized"]
+    run = _history(world, [*tp2, "model.context_parallel_size=2", *path], True,
+                   counts_over_cp=True)
+    base = _history(world, [*tp2, *path], True)
+    assert _deviation(run, base) <= RTOL, (run["loss"], base["loss"])
+    assert run["architecture"]["cp_levels"] == ["p2p [2]"]
 
 
 def test_the_model_is_deepseek_v3s_architecture(world):

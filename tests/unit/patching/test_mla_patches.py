@@ -8,6 +8,8 @@
   ``mtp_on_this_rank`` / ``process_mtp_loss``'s logging group come from the model's collection
   in context (``model_groups``, which ``GPTModel._postprocess`` enters); upstream fails on
   megatron's uninitialized global groups;
+* ``mla-tp-group`` (0.16.1, 0.19.2): MLA's q / kv gathers take the module's TP group (upstream
+  passes none: megatron's global group, None on the decentralized path);
 * ``with_cp_token_counts`` (0.19.2): the per-token MTP normalization counts the tokens of the
   whole CP group instead of this rank's share.
 
@@ -97,8 +99,8 @@ def test_mtp_groups_are_written_for_0192_only(clean):
     assert patch.status("0.16.1") == "not written for this version"
     with pytest.raises(PatchError, match="not 0.17.1"):
         apply(MLA_DECENTRALIZED_PATCHES, version="0.17.1")
-    assert apply_mla_decentralized() == (["mtp-collection-groups"] if INSTALLED == "0.19.2"
-                                         else [])
+    assert apply_mla_decentralized() == (
+        ["mtp-collection-groups", "mla-tp-group"] if INSTALLED == "0.19.2" else ["mla-tp-group"])
     assert apply_mla_decentralized() == []  # idempotent
 
 
@@ -175,6 +177,33 @@ def test_gpt_postprocess_runs_with_its_models_groups(clean):
     assert postprocess(model, None) is model.pg_collection.dp_cp
     with pytest.raises(AssertionError, match="not initialized"):
         mtp.parallel_state.get_data_parallel_group(True)  # only inside the model's call
+
+
+def test_mla_gathers_over_its_own_tp_group(clean, monkeypatch):
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    # as on the decentralized path: torch.distributed up, megatron's MPU not (the group given
+    # passes through; None stays None)
+    monkeypatch.setattr(mappings, "get_tensor_model_parallel_group_if_none",
+                        lambda group, *args, **kwargs: group)
+    x = torch.randn(3, 1, 4)
+
+    def qkv(self, hidden_states):  # stands for upstream's: gathers without a group
+        return mla.gather_from_tensor_model_parallel_region(
+            mla.scatter_to_sequence_parallel_region(hidden_states))
+
+    module = SimpleNamespace(pg_collection=SimpleNamespace(tp=Group(1, 0)))
+    with pytest.raises(AssertionError, match="group should not be None"):
+        qkv(module, x)  # megatron's global TP group: None without the MPU
+    (patch,) = [p for p in MLA_DECENTRALIZED_PATCHES if p.name == "mla-tp-group"]
+    apply([patch])
+    assert is_applied(patch)
+    from megatron_hcp.patching.mla import _make_qkv_with_own_tp_group
+
+    assert torch.equal(_make_qkv_with_own_tp_group(qkv)(module, x), x)  # its group: 1 rank
+    with pytest.raises(AssertionError, match="group should not be None"):
+        qkv(module, x)  # outside the module's call: megatron's, as upstream
 
 
 # ------------------------------------------------------------------ MTP's token counts
