@@ -24,9 +24,9 @@ Apply with :func:`apply_mla_cpu_runtime` (a run on the CPU) and :func:`apply_mla
 
 :func:`with_cp_token_counts` is megatron-core 0.19.2's ``process_mtp_loss`` with its per-token MTP
 normalization taken over the CP group: upstream scales each CP rank's MTP token losses by that
-rank's own ``tokens / tokens left after the roll``, and only one rank loses a token to the roll,
-so the MTP part of the gradient depends on the CP layout (upstream: "This uses local counts").
-It is not registered as a patch of its own: ``process_mtp_loss`` is the target of
+rank's own ``tokens / tokens left after the roll``, and only one rank (CP rank 0, holding the
+sequence's ends) loses a token to the roll, so the MTP part of the gradient depends on the CP
+layout. It is not registered as a patch of its own: ``process_mtp_loss`` is the target of
 ``mtp-dynamic-cp-group`` (:mod:`.integration`), whose wrapper is where it belongs.
 """
 

@@ -19,7 +19,7 @@ groups, which the decentralized path never creates), ``mla-tp-group`` (MLA's q /
 read the global TP group), and the MoE CPU runtime (``cpu-moe-router-device``).
 
 MTP under CP: megatron-core 0.19.2 scales each CP rank's MTP token losses by that rank's own
-``tokens / tokens after the roll`` (only one rank loses a token to it), so the MTP gradient
+``tokens / tokens after the roll`` (only CP rank 0 loses a token to it), so the MTP gradient
 depends on the CP layout. The MTP layouts run with those counts taken over the CP group
 (:func:`megatron_hcp.patching.mla.with_cp_token_counts`, put under ``mtp-dynamic-cp-group``'s
 wrapper here for the run) and equal CP=1; without it the difference is pinned.
@@ -218,8 +218,8 @@ def test_the_model_is_deepseek_v3s_architecture(world):
 
 def test_mtp_with_megatrons_own_counts_depends_on_the_cp_layout(world):
     """Without the CP counts megatron-core 0.19.2's MTP weighting differs from CP=1's beyond
-    1e-5 (the rank holding the sequence's first token loses it to the roll), while the model's
-    forward before any update is the same (step 1's lm loss)."""
+    1e-5 (only CP rank 0, holding the sequence's ends, loses a token to the roll), while the
+    model's forward before any update is the same (step 1's lm loss)."""
     path = PATHS["decentralized"]
     run = _history(world, HCP + path, True)
     base = _history(world, path, True)
