@@ -19,7 +19,8 @@ from typing import Any
 
 from ..config import FIELD_KINDS, CPConfig, CPConfigError, Violation, fields_read_by, parse_value
 
-__all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "read_window", "world_size_before_init"]
+__all__ = ["MODEL_FIELDS", "cp_config_from_bridge", "read_window", "window_override",
+           "world_size_before_init"]
 
 # CPConfig fields a Bridge model config may carry, by the same name (the one field table,
 # config.values.FIELDS)
@@ -67,6 +68,17 @@ def _read_field(name: str, raw: Any) -> Any:
 _WINDOW_FORMS = ("an integer token count W >= 1 (Bridge's form, e.g. Gemma 3's window_size=512: "
                  "megatron's (W-1, 0)), a pair of integers (left, right) >= -1 (megatron's "
                  "form; -1 = unbounded) or None")
+
+
+def window_override(raw: str) -> str:
+    """A Bridge override's ``model.window_size`` text in megatron's form: a plain integer ``W``
+    (Bridge's scalar window, as a provider holds it: :func:`read_window`) becomes
+    ``[W-1,0]``; anything else is left to the strict reader (``[16]`` stays refused)."""
+    text = raw.strip()
+    if text.lstrip("+-").isdigit():
+        left, right = read_window(int(text))  # type: ignore[misc]
+        return f"[{left},{right}]"
+    return raw
 
 
 def read_window(raw: Any, name: str = "model.window_size") -> list[int] | None:

@@ -46,7 +46,7 @@ from ..group_release import release_at_exit
 from ..parallel_state.collection import create_pg_collection_and_grid, grid_views_available
 from ..patching.mla import MLA_DECENTRALIZED_PATCHES
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
-from .config import cp_config_from_bridge
+from .config import cp_config_from_bridge, window_override
 from .dynamic_cp import cp_config_of, dynamic_cp_targets
 from .mtp import BRIDGE_MTP_PATCHES
 
@@ -115,7 +115,7 @@ def cp_config_from_overrides(overrides: Sequence[str], base: CPConfig | None = N
             raise CPConfigError([Violation(item, None, "overrides are section.key=value",
                                            "write e.g. model.context_parallel_size=4")])
         if section == "model" and name in fields:
-            model_raw[name] = raw
+            model_raw[name] = window_override(raw) if name == "window_size" else raw
         elif section == "dist":
             dist_settings[name] = parse_value(raw)
     given = CPConfig.from_pairs([f"{k}={v}" for k, v in model_raw.items()])  # typed values

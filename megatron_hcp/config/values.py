@@ -251,14 +251,9 @@ def parse_value(raw: Any, kind: str = "literal", name: str = "value", *,
         return [parse_int(p, f"{name}[{i}]", minimum=1, maximum=MAX_RANKS)
                 for i, p in enumerate(_items(raw, name))]
     if kind == "window":
-        items = [raw] if isinstance(raw, numbers.Integral) else _items(raw, name)
-        if len(items) == 1:  # Bridge's scalar form (Gemma 3): W tokens, the current included
-            size = parse_int(items[0], name, minimum=1, text=text)
-            return [size - 1, 0]
-        window = [parse_int(p, f"{name}[{i}]", minimum=-1) for i, p in enumerate(items)]
+        window = [parse_int(p, f"{name}[{i}]", minimum=-1) for i, p in enumerate(_items(raw, name))]
         if len(window) != 2:
-            raise _bad(name, raw, "must be two integers (left, right), or one integer W >= 1 "
-                       "(a causal window of W tokens: (W-1, 0))", "e.g. 128,0")
+            raise _bad(name, raw, "must be two integers (left, right)", "e.g. 128,0")
         return window
     if kind == "strs":
         if isinstance(raw, str) and not raw.strip().startswith("["):

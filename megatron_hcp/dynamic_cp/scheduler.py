@@ -138,13 +138,14 @@ def _read_inputs(lengths, dp_cp, max_seqlen_per_rank, min_cp_size, vpp
         if len(lengths) > MAX_SEQUENCES:
             raise ScheduleError(f"lengths holds {len(lengths)} sequences, over the limit of "
                                 f"{MAX_SEQUENCES} per global batch; give one global batch")
-        return ([parse_int(x, f"lengths[{i}]", minimum=1, maximum=MAX_SEQ_LENGTH, text=False)
+        # upper bounds here; the lower ones are _check_inputs' rules
+        return ([parse_int(x, f"lengths[{i}]", maximum=MAX_SEQ_LENGTH, text=False)
                  for i, x in enumerate(lengths)],
-                parse_int(dp_cp, "dp_cp", minimum=1, maximum=SCHEDULE_MAX_DP_CP, text=False),
-                parse_int(max_seqlen_per_rank, "max_seqlen_per_rank", minimum=1,
-                          maximum=MAX_SEQ_LENGTH, text=False),
-                parse_int(min_cp_size, "min_cp_size", minimum=1, text=False),
-                parse_int(vpp, "vpp", minimum=1, maximum=SCHEDULE_MAX_VPP, text=False))
+                parse_int(dp_cp, "dp_cp", maximum=SCHEDULE_MAX_DP_CP, text=False),
+                parse_int(max_seqlen_per_rank, "max_seqlen_per_rank", maximum=MAX_SEQ_LENGTH,
+                          text=False),
+                parse_int(min_cp_size, "min_cp_size", text=False),
+                parse_int(vpp, "vpp", maximum=SCHEDULE_MAX_VPP, text=False))
     except CPConfigError as err:
         raise ScheduleError(str(err.violations[0])) from None
 

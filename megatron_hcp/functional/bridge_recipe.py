@@ -239,6 +239,10 @@ def _overrides_config(overrides: Iterable[str], nproc: int) -> tuple[CPConfig, i
             continue
         try:
             if section == "model" and name in _CP_FIELDS:
+                if name == "window_size":  # Bridge's scalar form, as its providers hold it
+                    from ..bridge.config import window_override
+
+                    raw = window_override(raw)
                 values[name] = parse_value(raw, FIELD_KINDS[name], key)
             elif key == "train.train_iters":
                 steps = parse_value(raw, "posint", key)

@@ -37,10 +37,11 @@ from ...sharding import (
     check_partition_mode,
     seq_lengths,
 )
-from .functions import AllGatherAttention, RingAttention, TokenOrder, UlyssesAllToAll
+from .functions import AllGatherAttention, RingAttention
 from .fused import fused_mode
 from .packing import packing_lengths
 from .pieces import split_mode
+from .reorder import OutputOrder, TokenOrder, UlyssesAllToAll, pack_kv
 from .seq_layout import (
     CPAttentionError,
     SeqLayout,
@@ -229,7 +230,7 @@ def _check_packing_tensors(qkv_format: str, **cu_seqlens: torch.Tensor | None) -
 
 
 def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> None:
-    """q, k, v are floating tensors of one dtype on one device with head dims >= 1, and the
+    """q, k, v are floating tensors of one dtype with head dims >= 1, and the
     softmax scale (where given) a finite number > 0: anything else fails deep inside a kernel
     or returns NaN."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -240,11 +241,10 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         if t.dim() and t.shape[-1] < 1:
             raise CPAttentionError(f"{name} has head dim {t.shape[-1]} ({list(t.shape)}): "
                                    "must be >= 1")
-    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+    if not q.dtype == k.dtype == v.dtype:  # (a device mix is the device audit's to locate)
         raise CPAttentionError(
-            f"q, k, v are {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}: "
-            "they must share one dtype and one device (cast them, as the model's projection "
-            "does)")
+            f"q, k, v are {q.dtype}/{k.dtype}/{v.dtype}: they must share one dtype (cast them, "
+            "as the model's projection does)")
     if softmax_scale is not None and (
             isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
             or not math.isfinite(softmax_scale) or softmax_scale <= 0):
@@ -399,29 +399,33 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
     # on the way out - inside the a2a's own gather where there is one
     grouped = layout.at(p, flat // a).groupable
     reorder = grouped and layout.grouping_moves_tokens  # one sequence: already in order
+    # K and V travel and are kept as one tensor, their head dims side by side (one copy here,
+    # which the ring's message, the all-gather's input or the a2a's send would need anyway)
+    dim = kh.shape[-1]
+    kvh = pack_kv(kh, vh)
+    order = OutputOrder()
     if a > 1:
-        if kh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
-            reps = a // kh.shape[1]
-            kh, vh = kh.repeat_interleave(reps, dim=1), vh.repeat_interleave(reps, dim=1)
+        if kvh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
+            kvh = kvh.repeat_interleave(a // kvh.shape[1], dim=1)
         perm, inv = _a2a_permutations(layout, a, reorder)
-        qh, kh, vh = (UlyssesAllToAll.apply(t, a2a_group, perm, inv, True) for t in (qh, kh, vh))
+        qh = UlyssesAllToAll.apply(qh, a2a_group, perm, inv, True)
+        kvh = UlyssesAllToAll.apply(kvh, a2a_group, perm, inv, False)
+        order = OutputOrder("a2a", perm, inv, a2a_group)
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index
             sink = sink.view(a, -1)[dist.get_rank(a2a_group)]
     elif reorder:
-        order, back = _grouping(layout)
-        qh, kh, vh = (TokenOrder.apply(t, order, back) for t in (qh, kh, vh))
+        forth, back = _grouping(layout)
+        qh = TokenOrder.apply(qh, forth, back, True)
+        kvh = TokenOrder.apply(kvh, forth, back, False)
+        order = OutputOrder("tokens", back, forth)
     if grouped:
         layout = layout.with_grouped_halves()
     if cp_comm_type == "all_gather":
-        out = AllGatherAttention.apply(qh, kh, vh, layout, ring_group, causal, scale, window,
-                                       sink)
+        out = AllGatherAttention.apply(qh, kvh, dim, layout, ring_group, causal, scale, window,
+                                       sink, order)
     else:
         ranks = [0] if p == 1 else dist.get_process_group_ranks(ring_group)
-        out = RingAttention.apply(qh, kh, vh, layout, ring_group, ranks, causal, scale, window,
-                                  sink, attention_bias)
-    if a > 1:
-        out = UlyssesAllToAll.apply(out, a2a_group, perm, inv, False)
-    elif reorder:
-        out = TokenOrder.apply(out, back, order)
+        out = RingAttention.apply(qh, kvh, dim, layout, ring_group, ranks, causal, scale,
+                                  window, sink, attention_bias, order)
     return _from_bhsd(out, qkv_format)

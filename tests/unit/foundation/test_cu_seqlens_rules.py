@@ -81,7 +81,7 @@ def test_local_attention_refuses_what_it_would_misread(kwargs, words):
 
 
 def test_attention_refuses_mixed_dtypes_and_empty_head_dims():
-    with pytest.raises(ShardingError, match="one dtype and one device"):
+    with pytest.raises(ShardingError, match="must share one dtype"):
         local_attention(Q, Q.double(), Q, qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]))
     empty = Q[..., :0]
     with pytest.raises(ShardingError, match="head dim 0"):
