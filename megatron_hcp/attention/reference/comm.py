@@ -21,6 +21,7 @@ __all__ = [
     "all_to_all_single",
     "all_to_all_v",
     "reduce_scatter_tensor",
+    "release",
     "ring_exchange",
 ]
 
@@ -131,3 +132,21 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Proc
                           ) -> None:
     _record("reduce_scatter", inp.numel(), inp, group)
     dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def release(buffer: torch.Tensor, *keep: torch.Tensor) -> None:
+    """Free the memory of ``buffer``, a communication buffer whose collective has finished
+    and whose data is used, now - whoever still holds a reference to it: a backend's thread
+    may hold a finished collective's tensors until it takes its next task (gloo's worker
+    threads do), so without this what a rank holds after the call would depend on how fast
+    its threads and peers are. The storage is resized to nothing (as FSDP frees gathered
+    parameters); a tensor of it must not be read again. Nothing is freed where ``buffer``
+    shares its storage with one of ``keep`` (a result that is a view of it, the caller's
+    own tensor), nor on a device whose storages cannot be resized."""
+    storage = buffer.untyped_storage()
+    if any(t.untyped_storage().data_ptr() == storage.data_ptr() for t in keep):
+        return
+    try:
+        storage.resize_(0)
+    except (RuntimeError, NotImplementedError):  # a storage that cannot be resized
+        pass

@@ -2,15 +2,21 @@
 
 * :class:`RingAttention` - KV ring over a group of ``p`` ranks (``p-1`` steps; ``p == 1`` is
   plain local attention). Backward sends KV round the ring again with a travelling dK/dV
-  accumulator that ends at its owner. Saves only local tensors: memory is O(local sequence).
+  accumulator that ends at its owner.
 * :class:`AllGatherAttention` - one all-gather of KV; backward gathers again and
   reduce-scatters dK/dV.
-* :class:`UlyssesAllToAll` - Ulysses all-to-all (scatter heads, gather sequence) and its
-  inverse, each the other's backward.
 
-Tensors are ``[B, H, S, D]`` (V and the output may have their own head dim ``Dv``, as in MLA);
-``S`` is the local sequence in the two-halves layout of
-:class:`~.seq_layout.SeqLayout`.
+Tensors are ``[B, H, S, D]``; K and V come packed (:func:`~.reorder.pack_kv`:
+``[B, Hkv, S, D + Dv]``, V's head dim ``Dv`` may differ, as in MLA); ``S`` is the local
+sequence in the two-halves layout of :class:`~.seq_layout.SeqLayout`.
+
+What they keep for the backward is what its kernels read again and nothing twice: q, the
+packed K/V (the message itself: no second copy), the output *as returned* (an
+:class:`~.reorder.OutputOrder` - the a2a back, or the token order of packed halves - moves it
+inside the function, and the backward moves it back: the model holds the returned output
+anyway) and the LSE. Communication buffers are dropped, or released
+(:func:`~.comm.release`), as soon as their data is used, so what a rank holds when the
+forward returns does not depend on how fast its peers are.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from ...sharding import contiguous_window_reach
 from . import comm
@@ -26,24 +31,13 @@ from .blocks import Block, Window, plan_block, record_block, record_kernel, take
 from .kernels import acc_dtype, block_backward, block_forward
 from .merge import merge_into
 from .pieces import split_mode, splitting
+from .reorder import OutputOrder, split_kv
 from .seq_layout import SeqLayout
 from .varlen import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
 
-__all__ = ["AllGatherAttention", "RingAttention", "TokenOrder", "UlyssesAllToAll"]
+__all__ = ["AllGatherAttention", "RingAttention", "ring_reach"]
 
-
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """K and V in one flat message (two copies, whatever their strides)."""
-    nk = k.numel()
-    kv = torch.empty(nk + v.numel(), dtype=k.dtype, device=k.device)
-    kv[:nk].view(k.shape).copy_(k)
-    kv[nk:].view(v.shape).copy_(v)
-    return kv
-
-
-def _unpack(kv: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    nk = k_shape.numel()
-    return kv[:nk].view(k_shape), kv[nk:].view(v_shape)
+NO_ORDER = OutputOrder()
 
 
 def _bias_positions(bias, q_layout: SeqLayout, kv_layout: SeqLayout, block):
@@ -211,19 +205,36 @@ def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
 def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int):
     """Yield ``(src, kv of src)`` for each of ``steps`` ring steps (``p``: the whole ring).
 
-    The next step's K/V is already on its way while the caller computes with the current one.
+    The next step's K/V is already on its way while the caller computes with the current one;
+    a step's buffer is dropped (its send's work with it) before the next one is allocated, so
+    two messages live at a time besides ``kv`` - provided the caller drops what it was given
+    before asking for the next.
     """
     p = len(ranks)
     nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
     for step in range(steps):
+        works, incoming = [], None  # the last step's works (a send holds its tensor) go first
         if step < steps - 1:
             incoming = torch.empty_like(kv)
             works = comm.ring_exchange(kv, incoming, group, nxt, prv)
         yield (pos - step) % p, kv
-        if step < steps - 1:
-            for w in works:
-                w.wait()
+        while works:
+            works.pop().wait()
+        if incoming is not None:
             kv = incoming
+
+
+def _pass_grads(dkv: torch.Tensor, group, ranks: list[int], pos: int, hop: int
+                ) -> torch.Tensor:
+    """Send ``dkv`` ``hop`` ranks on and return the one that arrives from ``hop`` ranks back
+    (the sent one is dropped with its work)."""
+    p = len(ranks)
+    arrived = torch.empty_like(dkv)
+    works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + hop) % p],
+                               ranks[(pos - hop) % p])
+    while works:
+        works.pop().wait()
+    return arrived
 
 
 def _as_planned(backward):
@@ -238,258 +249,210 @@ def _as_planned(backward):
     return run
 
 
+def _ring_forward_step(q, msg, dim, layout: SeqLayout, src: int, block, scale, out, lse,
+                       bias, first: bool, varlen) -> None:
+    """The block of the K/V ``msg`` of ``src`` merged into ``out`` / ``lse`` (its views die
+    with this call)."""
+    kj, vj = split_kv(msg, dim)
+    where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
+    _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where), first=first,
+                   varlen=varlen)
+
+
+def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, scale, out,
+                        lse, dq, dkv, bias, dbias, varlen) -> None:
+    """The gradients of the block of the K/V ``msg`` of ``src``, added into ``dq`` and
+    ``dkv`` (and ``dbias``)."""
+    kj, vj = split_kv(msg, dim)
+    dk, dv = split_kv(dkv, dim)
+    where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
+    gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+                         _bias_block(bias, where), varlen=varlen)
+    if gb is not None:
+        _add_bias_grad(dbias, gb, where)
+
+
+def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
+    """The gradients (dq, dk, dv) of a block of every row and column of q and the packed
+    ``kv`` (as its kernel returns them), or ``None`` where the block is not whole (rows or
+    columns an index or a part, pieces, varlen calls, no block)."""
+    s = q.shape[2]
+    whole = slice(0, s)
+    if (block is None or block.pieces is not None or _calls(block, q, varlen) is not None
+            or not isinstance(block.rows, slice) or not isinstance(block.cols, slice)
+            or range(s)[block.rows] != range(s) or range(s)[block.cols] != range(s)):
+        return None
+    k, v = split_kv(kv, dim)
+    grads = block_backward(take(dout, whole), take(q, whole), k, v, take(out, whole),
+                           take(lse, whole), scale=scale, causal=block.causal,
+                           mask=block.mask)
+    return tuple(grads[:3])
+
+
 class RingAttention(torch.autograd.Function):
-    """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order). The ring runs
+    """Ring (p2p) CP attention over ``ranks`` (global ranks in ring order) of q and the packed
+    ``kv`` (K's head dim ``dim``); the output leaves by ``order``. The ring runs
     :func:`ring_reach` + 1 steps: in the contiguous layout under a backward-looking window it
     stops once every rank has the K/V its window reaches (the rest never travels)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, group, ranks: list[int], causal: bool,
-                scale: float, window: Window = None, sink: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None):
-        # the kernels take q as it is (head dim contiguous); K and V travel packed, and the
-        # backward sends the same message again
-        packed = _pack(k, v)
+    def forward(ctx, q, kv, dim: int, layout: SeqLayout, group, ranks: list[int],
+                causal: bool, scale: float, window: Window = None,
+                sink: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                order: OutputOrder = NO_ORDER):
+        # the kernels take q and the K/V views as they are (head dim contiguous); the packed
+        # K/V is the ring's message, and the backward sends the same message again
+        k, v = split_kv(kv, dim)
         varlen = _varlen(q, k, v, layout, window)
         # the first step is the local block: with all rows, the accumulators need no fill
         local = plan_block(layout, layout, causal, window, varlen=varlen)
         out, lse = _new_acc(q, v, local)
+        del k, v
         steps = ring_reach(layout, causal, window) + 1
         first = True
-        for src, kv in _ring_steps(packed, group, ranks, layout.position, steps):
-            kv_layout = layout.at(layout.cp, src)
+        for src, msg in _ring_steps(kv, group, ranks, layout.position, steps):
             block = local if src == layout.position else plan_block(
-                layout, kv_layout, causal, window, varlen=varlen)
+                layout, layout.at(layout.cp, src), causal, window, varlen=varlen)
             record_block(block, layout)
             if block is not None:  # outside the window: pass the K/V on, compute nothing
-                kj, vj = _unpack(kv, k.shape, v.shape)
-                where = _bias_positions(bias, layout, kv_layout, block)
-                _forward_block(q, kj, vj, block, scale, out, lse, _bias_block(bias, where),
-                               first=first, varlen=varlen)
+                _ring_forward_step(q, msg, dim, layout, src, block, scale, out, lse, bias,
+                                   first, varlen)
                 first = False
+            del msg  # before the next step's buffer is allocated
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
-        ctx.save_for_backward(q, packed, out, lse, sink, bias)
-        ctx.meta = (layout, group, ranks, causal, scale, window, k.shape, v.shape)
-        ctx.split, ctx.varlen = split_mode(), varlen
+        out = order.leave(out)
+        ctx.save_for_backward(q, kv, out, lse, sink, bias)
+        ctx.meta = (dim, layout, group, ranks, causal, scale, window)
+        ctx.split, ctx.varlen, ctx.order = split_mode(), varlen, order
         return out
 
     @staticmethod
     @_as_planned
     def backward(ctx, dout):
-        q, packed, out, lse, sink, bias = ctx.saved_tensors
-        layout, group, ranks, causal, scale, window, k_shape, v_shape = ctx.meta
-        k, v = _unpack(packed, k_shape, v_shape)
+        q, kv, out, lse, sink, bias = ctx.saved_tensors
+        dim, layout, group, ranks, causal, scale, window = ctx.meta
+        dout, out = ctx.order.back(dout), ctx.order.back(out)
         p, pos = len(ranks), layout.position
+        if p == 1 and bias is None:  # one block (a2a, local attention): where it is whole,
+            # its gradients are the gradients - no accumulators beside them
+            block = plan_block(layout, layout, causal, window, varlen=ctx.varlen)
+            grads = _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, ctx.varlen)
+            if grads is not None:
+                dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
+                del dout, out  # the output and its gradient in this layout are done with
+                gq, gk, gv = grads
+                dkv = torch.cat([gk, gv], dim=-1)
+                del gk, gv, grads
+                return (gq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None,
+                        None, dsink, None, None)
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
         steps = ring_reach(layout, causal, window) + 1
-        for step, (src, kv) in enumerate(_ring_steps(packed, group, ranks, pos, steps)):
-            kv_layout = layout.at(layout.cp, src)
-            block = plan_block(layout, kv_layout, causal, window, varlen=ctx.varlen)
+        for step, (src, msg) in enumerate(_ring_steps(kv, group, ranks, pos, steps)):
+            block = plan_block(layout, layout.at(layout.cp, src), causal, window,
+                               varlen=ctx.varlen)
             if block is not None:
-                kj, vj = _unpack(kv, k.shape, v.shape)
-                dk, dv = _unpack(dkv, k.shape, v.shape)
-                where = _bias_positions(bias, layout, kv_layout, block)
-                gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
-                                     _bias_block(bias, where), varlen=ctx.varlen)
-                if gb is not None:
-                    _add_bias_grad(dbias, gb, where)
+                _ring_backward_step(dout, q, msg, dim, layout, src, block, scale, out, lse,
+                                    dq, dkv, bias, dbias, ctx.varlen)
+            del msg
             if p > 1 and steps > 1:  # dK/dV of `src` travel on with its K/V; after the
                 # last step they go home: `step` ranks back (the whole ring: the next rank)
                 hop = 1 if step < steps - 1 else (p - step) % p
-                arrived = torch.empty_like(dkv)
-                works = comm.ring_exchange(dkv, arrived, group, ranks[(pos + hop) % p],
-                                           ranks[(pos - hop) % p])
-                for w in works:
-                    w.wait()
-                dkv = arrived
-        dk, dv = _unpack(dkv, k.shape, v.shape)
+                dkv = _pass_grads(dkv, group, ranks, pos, hop)
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
         dbias = dbias.to(bias.dtype) if bias is not None else None
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                None, dsink, dbias)
+        return (dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None, None,
+                dsink, dbias, None)
 
 
-def _source_groups(layout: SeqLayout, causal: bool, window: Window, record: bool,
-                   varlen: tuple[int, int] | None = None) -> list[tuple[list[int], Block]]:
-    """Sources of an all-gather grouped by identical block shape.
-
-    With one dense sequence every past source meets all queries on its first half and every
-    future source meets the second half of the queries on all of it: one kernel call per group
-    instead of one per source. Packed (masked) layouts and windows keep one block per source;
-    sources a window sees nothing of are left out.
-    """
+def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
+             varlen: tuple[int, int] | None = None) -> list[tuple[int, Block]]:
+    """The sources of an all-gather whose K/V this rank's queries see, each with its block,
+    this rank's own first (it needs no gathered data). One block per source: sources of one
+    block shape are not concatenated (that would copy the gathered K/V once more)."""
     n = layout.cp
     plans = [(src, plan_block(layout, layout.at(n, src), causal, window, varlen=varlen))
              for src in range(n)]
     for _src, plan in plans if record else ():  # forward only: BlockCounter counts forwards
         record_block(plan, layout)
     plans = [(src, plan) for src, plan in plans if plan is not None]
-    if not layout.is_dense or window is not None:
-        return [([src], plan) for src, plan in plans]
-    grouped: dict[tuple, list[tuple[int, Block]]] = {}
-    for src, plan in plans:
-        key = (plan.rows.start, plan.rows.stop, plan.cols.start, plan.cols.stop, plan.causal)
-        grouped.setdefault(key, []).append((src, plan))
-    return [([src for src, _ in members], members[0][1]) for members in grouped.values()]
+    return sorted(plans, key=lambda item: item[0] != layout.position)
 
 
-def _gathered_kv(full, srcs, block, k_shape, v_shape):
-    """K and V of ``srcs`` restricted to ``block.cols``, concatenated along the sequence."""
-    parts = [_unpack(full[src], k_shape, v_shape) for src in srcs]
-    if len(parts) == 1:
-        return parts[0][0], parts[0][1], block
-    k = torch.cat([take(kj, block.cols) for kj, _ in parts], dim=2)
-    v = torch.cat([take(vj, block.cols) for _, vj in parts], dim=2)
-    return k, v, Block(block.rows, slice(0, k.shape[2]), block.causal, None)
+def _gather(kv: torch.Tensor, group, n: int):
+    """Start the all-gather of the packed K/V ([n, *kv.shape]); the local block is computed
+    while it runs."""
+    full = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)
+    work = comm.all_gather_into_tensor(full, kv.reshape(-1), group, async_op=True)
+    return full.view(n, *kv.shape), work
+
+
+def _gathered_forward(q, msg, dim, block, scale, out, lse, first: bool, varlen) -> None:
+    """The block of one source's packed K/V ``msg`` merged into ``out`` / ``lse``."""
+    kj, vj = split_kv(msg, dim)
+    _forward_block(q, kj, vj, block, scale, out, lse, first=first, varlen=varlen)
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """CP attention with one all-gather of KV over ``group`` (this rank at ``layout.position``)."""
+    """CP attention with one all-gather of the packed K/V over ``group`` (this rank at
+    ``layout.position``); the output leaves by ``order``. The gathered K/V live from the
+    gather to the last block, forward and again backward (with their gradients)."""
 
     @staticmethod
-    def _gather(k, v, group, n):
-        """Start the all-gather of K/V; the local block is computed while it runs."""
-        local = _pack(k, v)
-        full = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
-        work = comm.all_gather_into_tensor(full, local, group, async_op=True)
-        return full.view(n, -1), work
-
-    @staticmethod
-    def _ordered(layout: SeqLayout, causal: bool, window: Window, record: bool = False,
-                 varlen: tuple[int, int] | None = None):
-        """Source groups, this rank's own first (it needs no gathered data)."""
-        groups = _source_groups(layout, causal, window, record, varlen)
-        return sorted(groups, key=lambda g: g[0] != [layout.position])
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, group, causal: bool, scale: float,
-                window: Window = None, sink: torch.Tensor | None = None):
-        full, work = AllGatherAttention._gather(k, v, group, layout.cp)
+    def forward(ctx, q, kv, dim: int, layout: SeqLayout, group, causal: bool, scale: float,
+                window: Window = None, sink: torch.Tensor | None = None,
+                order: OutputOrder = NO_ORDER):
+        full, work = _gather(kv, group, layout.cp)
+        k, v = split_kv(kv, dim)
         varlen = _varlen(q, k, v, layout, window)
-        groups = AllGatherAttention._ordered(layout, causal, window, record=True, varlen=varlen)
-        local = groups[0][1] if groups and groups[0][0] == [layout.position] else None
+        sources = _sources(layout, causal, window, record=True, varlen=varlen)
+        local = sources[0][1] if sources and sources[0][0] == layout.position else None
         out, lse = _new_acc(q, v, local)
-        for index, (srcs, plan) in enumerate(groups):
-            if srcs == [layout.position]:
-                kj, vj, block = k, v, plan
-            else:
-                if work is not None:
-                    work.wait()
-                    work = None
-                kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
-            _forward_block(q, kj, vj, block, scale, out, lse, first=index == 0, varlen=varlen)
+        del k, v
+        for index, (src, block) in enumerate(sources):
+            if src != layout.position and work is not None:
+                work.wait()
+                work = None
+            _gathered_forward(q, kv if src == layout.position else full[src], dim, block,
+                              scale, out, lse, index == 0, varlen)
         if work is not None:
             work.wait()
+        comm.release(full)  # not kept: the backward gathers again
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.meta = (layout, group, causal, scale, window)
-        ctx.split, ctx.varlen = split_mode(), varlen
+        out = order.leave(out)
+        ctx.save_for_backward(q, kv, out, lse, sink)
+        ctx.meta = (dim, layout, group, causal, scale, window)
+        ctx.split, ctx.varlen, ctx.order = split_mode(), varlen, order
         return out
 
     @staticmethod
     @_as_planned
     def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        layout, group, causal, scale, window = ctx.meta
-        dout = dout.contiguous()
-        full, work = AllGatherAttention._gather(k, v, group, layout.cp)  # again: O(local) saved
+        q, kv, out, lse, sink = ctx.saved_tensors
+        dim, layout, group, causal, scale, window = ctx.meta
+        dout, out = ctx.order.back(dout), ctx.order.back(out)
+        full, work = _gather(kv, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
-        for srcs, plan in AllGatherAttention._ordered(layout, causal, window,
-                                                      varlen=ctx.varlen):
-            if srcs == [layout.position]:
-                kj, vj, block = k, v, plan
-            else:
-                if work is not None:
-                    work.wait()
-                    work = None
-                kj, vj, block = _gathered_kv(full, srcs, plan, k.shape, v.shape)
-            if len(srcs) == 1:
-                dk, dv = _unpack(dkv_all[srcs[0]], k.shape, v.shape)
-                _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
-                                varlen=ctx.varlen)
-                continue
-            dk_cat = torch.zeros(kj.shape, dtype=acc, device=q.device)
-            dv_cat = torch.zeros(vj.shape, dtype=acc, device=q.device)
-            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk_cat, dv_cat)
-            for part, src in enumerate(srcs):
-                dk, dv = _unpack(dkv_all[src], k.shape, v.shape)
-                width = dk_cat.shape[2] // len(srcs)
-                piece = slice(part * width, (part + 1) * width)
-                dk[:, :, plan.cols].add_(dk_cat[:, :, piece])
-                dv[:, :, plan.cols].add_(dv_cat[:, :, piece])
+        for src, block in _sources(layout, causal, window, record=False, varlen=ctx.varlen):
+            if src != layout.position and work is not None:
+                work.wait()
+                work = None
+            kj, vj = split_kv(kv if src == layout.position else full[src], dim)
+            dk, dv = split_kv(dkv_all[src], dim)
+            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+                            varlen=ctx.varlen)
         if work is not None:
             work.wait()
-        mine = torch.empty(full.shape[1], dtype=acc, device=q.device)
-        comm.reduce_scatter_tensor(mine, dkv_all.view(-1), group)
-        dk, dv = _unpack(mine, k.shape, v.shape)
+        comm.release(full)
+        mine = torch.empty(kv.shape, dtype=acc, device=q.device)
+        comm.reduce_scatter_tensor(mine.view(-1), dkv_all.view(-1), group)
+        comm.release(dkv_all)
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
-                dsink)
-
-
-def _seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] -> [B, H/a, a*S, D]: scatter heads, gather sequence, reorder."""
-    a = dist.get_world_size(group)
-    b, h, s, d = x.shape
-    send = x.reshape(b, a, h // a, s, d).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group)
-    gathered = recv.permute(1, 2, 0, 3, 4).reshape(b, h // a, a * s, d)
-    return gathered.index_select(2, perm)
-
-
-def _heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_heads`: [B, H/a, a*S, D] -> [B, H, S, D]."""
-    a = dist.get_world_size(group)
-    b, hl, sa, d = x.shape
-    s = sa // a
-    ordered = x.index_select(2, inv_perm).reshape(b, hl, a, s, d)
-    send = ordered.permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group)
-    return recv.transpose(0, 1).reshape(b, a * hl, s, d)
-
-
-class UlyssesAllToAll(torch.autograd.Function):
-    """Ulysses all-to-all: ``to_heads`` scatters heads and gathers the a2a group's sequence,
-    otherwise the inverse. Each direction is the other's backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, perm, inv_perm, to_heads: bool):
-        ctx.meta = (group, perm, inv_perm, to_heads)
-        return _seq_to_heads(x, group, perm) if to_heads else _heads_to_seq(x, group, inv_perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, perm, inv_perm, to_heads = ctx.meta
-        back = _heads_to_seq(grad, group, inv_perm) if to_heads else _seq_to_heads(
-            grad, group, perm)
-        return back, None, None, None, None
-
-
-def _tokens_in_order(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, H, S, D] with its tokens in the order ``perm``, laid out [B, S, H, D] in
-    memory (heads inside the rows), as megatron's bshd / thd tensors and the CP output are: the
-    output's reshape back to [t, h*d] stays a view."""
-    return x.transpose(1, 2).index_select(1, perm).transpose(1, 2)
-
-
-class TokenOrder(torch.autograd.Function):
-    """Tokens (dim 2 of [B, H, S, D]) taken in the order ``perm``; the backward takes the
-    gradient back with ``inv`` (its inverse): one gather each way, heads inside the rows."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inv):
-        ctx.inv = inv
-        return _tokens_in_order(x, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_in_order(grad, ctx.inv), None, None
+        return (dq.to(q.dtype), mine.to(kv.dtype), None, None, None, None, None, None, dsink,
+                None)

@@ -617,20 +617,24 @@ def test_exact_communication(world, fmt):
     fwd, bwd, kv, _ = world.run(count_comm, "all_gather", fmt)[0]
     assert fwd == [("all_gather", 2 * kv, 4)]
     assert bwd == [("all_gather", 2 * kv, 4), ("reduce_scatter", 4 * 2 * kv, 4)]
-    # a2a: q, k, v in and the output back, each sending (a-1)/a of its tensor
+    # a2a: q and K/V (one message, packed) in and the output back, each sending (a-1)/a of
+    # its tensor; backward: the gradient and the output (kept as returned, not twice) back
+    # in, then dK/dV and dq out
     fwd, bwd, kv, qn = world.run(count_comm, "a2a", fmt)[0]
     kv_rep = kv * 2  # 2 KV heads replicated to the a2a size 4
-    assert fwd == [("all_to_all", qn * 3 // 4, 4), ("all_to_all", kv_rep * 3 // 4, 4),
-                   ("all_to_all", kv_rep * 3 // 4, 4), ("all_to_all", qn * 3 // 4, 4)]
+    assert fwd == [("all_to_all", qn * 3 // 4, 4), ("all_to_all", 2 * kv_rep * 3 // 4, 4),
+                   ("all_to_all", qn * 3 // 4, 4)]
+    assert sorted(numel for _, numel, _ in bwd) == sorted(
+        [qn * 3 // 4] * 3 + [2 * kv_rep * 3 // 4])
     assert [op for op, *_ in bwd] == ["all_to_all"] * 4
     # a2a+p2p [2,2]: a2a in the inner pair, then p-1 = 1 ring step over the outer pair
     fwd, bwd, kv, qn = world.run(count_comm, "a2a+p2p", fmt)[0]
-    assert [(op, size) for op, _, size in fwd] == [("all_to_all", 2)] * 3 + [("send", 2)] + [
+    assert [(op, size) for op, _, size in fwd] == [("all_to_all", 2)] * 2 + [("send", 2)] + [
         ("all_to_all", 2)]
-    ring_send = fwd[3][1]
+    ring_send = fwd[2][1]
     assert ring_send == 2 * kv  # after a2a: half the heads, twice the tokens
-    assert [(op, size) for op, _, size in bwd] == [("all_to_all", 2)] + [("send", 2)] * 3 + [
-        ("all_to_all", 2)] * 3
+    assert [(op, size) for op, _, size in bwd] == [("all_to_all", 2)] * 2 + [
+        ("send", 2)] * 3 + [("all_to_all", 2)] * 2
 
 
 @pytest.mark.multirank

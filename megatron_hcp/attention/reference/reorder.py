@@ -1,0 +1,149 @@
+"""How tokens and heads move between the model's layout and the attention's, forward and back.
+
+Tensors are ``[B, H, S, D]``. K and V travel as one tensor, their head dims side by side
+(:func:`pack_kv`: ``[B, Hkv, S, D + Dv]``, contiguous): the ring's message, the all-gather's
+input and the all-to-all's, saved once for the backward.
+
+* :class:`UlyssesAllToAll` - scatter heads, gather the a2a group's sequence (its backward: the
+  inverse); :func:`seq_to_heads` / :func:`heads_to_seq`. One all-to-all each way; a send buffer
+  and a receive buffer of the tensor's size live only inside it (:func:`~.comm.release`).
+* :class:`TokenOrder` - the tokens in another order on this rank (packed zigzag halves grouped).
+* :class:`OutputOrder` - how the attention's output leaves it (none, token order, or the a2a
+  back) and how its backward gets the output and its gradient back: the attention functions
+  keep only the output they return (which the model holds anyway) and convert it back in
+  backward, as Transformer Engine's a2a attention does, instead of keeping it twice.
+
+``heads_inner``: a result laid out [B, S, H, D] in memory (heads inside the rows, as megatron's
+bshd / thd tensors and the efficient kernel's backward read an output), else contiguous
+[B, H, S, D] (what a K/V message must be).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+__all__ = ["OutputOrder", "TokenOrder", "UlyssesAllToAll", "heads_to_seq", "pack_kv",
+           "seq_to_heads", "split_kv"]
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K [B, Hkv, S, D] and V [B, Hkv, S, Dv] as one contiguous [B, Hkv, S, D + Dv] tensor (one
+    copy; differentiable: its gradient splits back into views)."""
+    return torch.cat([k, v], dim=-1)
+
+
+def split_kv(kv: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a packed tensor (views: head dim contiguous, rows ``D + Dv`` apart)."""
+    return kv[..., :dim], kv[..., dim:]
+
+
+def seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor, heads_inner: bool = True
+                 ) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H/a, a*S, D]: scatter heads, gather the a2a group's sequence, tokens
+    in the order ``perm`` of the gathered ones (source-major). On the wire a rank's part is
+    [S, B, H/a, D]: one copy in, one gather out."""
+    a = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.unflatten(1, (a, h // a)).permute(1, 3, 0, 2, 4).contiguous()  # [a, s, b, h/a, d]
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group)
+    comm.release(send, x)
+    tokens = recv.view(a * s, b, h // a, d)
+    if heads_inner:
+        out = tokens.transpose(0, 1).index_select(1, perm).transpose(1, 2)
+    else:
+        out = tokens.permute(1, 2, 0, 3).index_select(2, perm)
+    comm.release(recv, out)
+    return out
+
+
+def heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: [B, H/a, a*S, D] -> [B, H, S, D], heads inside the
+    rows. One gather in (into the wire layout), one copy out."""
+    a = dist.get_world_size(group)
+    b, hl, sa, d = x.shape
+    s = sa // a
+    send = x.permute(2, 0, 1, 3).index_select(0, inv_perm)  # [a*s, b, hl, d]: [a, s, ...]
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group)
+    comm.release(send)
+    out = recv.view(a, s, b, hl, d).permute(2, 1, 0, 3, 4).reshape(b, s, a * hl, d)
+    comm.release(recv, out)
+    return out.transpose(1, 2)
+
+
+def tokens_in_order(x: torch.Tensor, perm: torch.Tensor, heads_inner: bool = True
+                    ) -> torch.Tensor:
+    """``x`` [B, H, S, D] with its tokens in the order ``perm`` (one gather)."""
+    if heads_inner:
+        return x.transpose(1, 2).index_select(1, perm).transpose(1, 2)
+    return x.index_select(2, perm)
+
+
+class UlyssesAllToAll(torch.autograd.Function):
+    """:func:`seq_to_heads` (``perm``; heads inside the rows or contiguous); the backward
+    takes the gradient back with :func:`heads_to_seq` (``inv_perm``). Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, group, perm, inv_perm, heads_inner: bool = True):
+        ctx.meta = (group, inv_perm)
+        return seq_to_heads(x, group, perm, heads_inner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, inv_perm = ctx.meta
+        return heads_to_seq(grad, group, inv_perm), None, None, None, None
+
+
+class TokenOrder(torch.autograd.Function):
+    """Tokens (dim 2 of [B, H, S, D]) taken in the order ``perm``; the backward takes the
+    gradient back with ``inv`` (its inverse): one gather each way. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv, heads_inner: bool = True):
+        ctx.inv = inv
+        return tokens_in_order(x, perm, heads_inner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tokens_in_order(grad, ctx.inv), None, None, None
+
+
+@dataclass(frozen=True, eq=False)
+class OutputOrder:
+    """How an attention function's output [B, H, S, Dv] leaves it (:meth:`leave`) and how its
+    backward takes the returned output and its gradient back (:meth:`back`): ``"none"``,
+    ``"tokens"`` (:func:`tokens_in_order`: ``perm`` out, ``inv`` back) or ``"a2a"``
+    (:func:`heads_to_seq` with ``inv`` out, :func:`seq_to_heads` with ``perm`` back, over
+    ``group``)."""
+
+    kind: str = "none"
+    perm: torch.Tensor | None = None
+    inv: torch.Tensor | None = None
+    group: object = None
+
+    @property
+    def moves(self) -> bool:
+        return self.kind != "none"
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        """The output as the caller gets it."""
+        if self.kind == "a2a":
+            return heads_to_seq(out, self.group, self.inv)
+        if self.kind == "tokens":
+            return tokens_in_order(out, self.perm)
+        return out
+
+    def back(self, x: torch.Tensor) -> torch.Tensor:
+        """The returned output (or its gradient) in the attention's layout, heads inside the
+        rows."""
+        if self.kind == "a2a":
+            return seq_to_heads(x, self.group, self.perm)
+        if self.kind == "tokens":
+            return tokens_in_order(x, self.inv)
+        return x
