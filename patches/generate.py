@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_hcp.patching import by_name  # noqa: E402
+from megatron_hcp.patching import by_name, mla  # noqa: E402
 from megatron_hcp.patching import cpu_runtime as cpu  # noqa: E402
 from megatron_hcp.patching.forkpatch import (  # noqa: E402
     diff_digest,
@@ -37,6 +37,7 @@ from megatron_hcp.patching.forkpatch import (  # noqa: E402
     runtime_digest,
     series_for,
 )
+from megatron_hcp.patching.integration import CP_TOKEN_COUNTS, PER_TOKEN_COUNTS  # noqa: E402
 from megatron_hcp.patching.registry import megatron_core_version  # noqa: E402
 
 VERSIONS = ("0.16.1", "0.19.2")
@@ -144,6 +145,121 @@ def _apply_rotary_pos_emb_thd_contiguous(t, freqs, config, cu_seqlens, mscale, c
     out = apply_rotary_pos_emb(whole, freqs, config, cu_seqlens, mscale, _NoCPGroupForRoPE())
     return out.index_select(0, idx)
 '''
+
+
+def _mla_tp_group_edits(fused: bool) -> list:
+    """mla-tp-group: MLA's groupless q / kv gathers and SP scatters over the module's own TP
+    group (``fused``: 0.19.2's FusedMLASelfAttention down projection too)."""
+    path = "megatron/core/transformer/multi_latent_attention.py"
+    mark = "# megatron-hcp mla-tp-group: over this module's own TP group"
+    edits = [
+        (path,
+         "            if q_compressed.size(-1) != self.config.q_lora_rank:\n"
+         "                q_compressed = gather_from_tensor_model_parallel_region(q_compressed)\n"
+         "                if self.config.sequence_parallel:\n"
+         "                    q_compressed = scatter_to_sequence_parallel_region(q_compressed)\n",
+         "            if q_compressed.size(-1) != self.config.q_lora_rank:\n"
+         f"                {mark}\n"
+         "                q_compressed = gather_from_tensor_model_parallel_region(\n"
+         "                    q_compressed, group=self.pg_collection.tp\n"
+         "                )\n"
+         "                if self.config.sequence_parallel:\n"
+         "                    q_compressed = scatter_to_sequence_parallel_region(\n"
+         "                        q_compressed, group=self.pg_collection.tp\n"
+         "                    )\n"),
+        (path,
+         "            kv_combined = gather_from_tensor_model_parallel_region(kv_combined)\n",
+         f"            {mark}\n"
+         "            kv_combined = gather_from_tensor_model_parallel_region(\n"
+         "                kv_combined, group=self.pg_collection.tp\n"
+         "            )\n"),
+        (path,
+         "                kv_compressed = scatter_to_sequence_parallel_region(kv_compressed)\n",
+         f"                {mark}\n"
+         "                kv_compressed = scatter_to_sequence_parallel_region(\n"
+         "                    kv_compressed, group=self.pg_collection.tp\n"
+         "                )\n"),
+    ]
+    if fused:
+        edits.append((
+            path,
+            "        if is_tensor_parallel:\n"
+            "            q_compressed = gather_from_tensor_model_parallel_region(q_compressed)\n"
+            "            if self.config.sequence_parallel:\n"
+            "                q_compressed = scatter_to_sequence_parallel_region(q_compressed)\n",
+            "        if is_tensor_parallel:\n"
+            f"            {mark}\n"
+            "            q_compressed = gather_from_tensor_model_parallel_region(\n"
+            "                q_compressed, group=self.pg_collection.tp\n"
+            "            )\n"
+            "            if self.config.sequence_parallel:\n"
+            "                q_compressed = scatter_to_sequence_parallel_region(\n"
+            "                    q_compressed, group=self.pg_collection.tp\n"
+            "                )\n"))
+    return edits
+
+
+def _model_groups_module() -> str:
+    """mtp-collection-groups: the model's groups in context and megatron's parallel_state as
+    multi_token_prediction sees it - the runtime's own classes - put before mtp_on_this_rank
+    (the module's end is cpu-mtp-loss-tracker's: each diff applies alone)."""
+    parts = [inspect.getsource(obj) for obj in (mla.ModelGroups, mla._CollectionParallelState)]
+    return textwrap.dedent('''\
+        # megatron-hcp mtp-collection-groups: the process groups of the model being built or run
+        # (GPTModel enters them); where megatron has no global groups (decentralized process
+        # groups), its pipeline stage and its data-parallel group come from its own collection
+        ''') + parts[0] + textwrap.dedent('''\
+
+
+        _MODEL_GROUPS = contextvars.ContextVar("megatron_hcp_model_groups", default=None)
+
+
+        @contextlib.contextmanager
+        def model_groups(pg_collection, vp_size=None):
+            """Inside: the pipeline stage and data-parallel group of the model come from
+            ``pg_collection`` where megatron's global groups are not initialized."""
+            token = _MODEL_GROUPS.set(
+                None if pg_collection is None else ModelGroups(pg_collection, vp_size)
+            )
+            try:
+                yield
+            finally:
+                _MODEL_GROUPS.reset(token)
+
+
+        ''') + parts[1] + "\n\nparallel_state = _CollectionParallelState(parallel_state)\n\n\n"
+
+
+def _indented(text: str, by: str = "    ") -> str:
+    return "".join(by + line if line.strip() else line for line in text.splitlines(True))
+
+
+_MTP_LOSS_CALL = """\
+                hidden_states = process_mtp_loss(
+                    hidden_states=hidden_states,
+                    labels=labels,
+                    loss_mask=loss_mask,
+                    output_layer=self.output_layer,
+                    output_weight=output_weight,
+                    runtime_gather_output=runtime_gather_output,
+                    is_training=self.training,
+                    compute_language_model_loss=self.compute_language_model_loss,
+                    config=self.config,
+                    cp_group=self.pg_collection.cp,
+                    tp_group=self.tp_group,
+                    packed_seq_params=packed_seq_params,
+                    scale_logits_fn=self._scale_logits if self.config.use_mup else None,
+                    input_ids=input_ids,
+                )
+"""
+_MTP_ON_THIS_RANK = """\
+        self.mtp_process = mtp_block_spec is not None and mtp_on_this_rank(
+            layout=self.config.pipeline_model_parallel_layout,
+            mtp_num_layers=self.config.mtp_num_layers,
+            ignore_virtual=False,
+            vp_stage=vp_stage,
+        )
+"""
 
 
 def _torch_view_edit(name: str) -> list:
@@ -644,6 +760,52 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
         "            # groups (one rank on that axis) averages over its own dp_cp group\n"
         "            if dp_group is None:\n"
         "                dp_group = getattr(pg_collection, 'dp_cp', None)\n")],
+    "cpu-yarn-rope-device": _torch_view_edit("cpu-yarn-rope-device"),
+    "mla-tp-group": _mla_tp_group_edits(fused=False),
+    # 0.19.2 only (the release it is written for). The fork enters the model's groups where
+    # GPTModel itself asks for them (its constructor and its MTP loss): a fork has no Bridge
+    # hook (bridge-model-groups) entering them around the build
+    "mtp-collection-groups": [
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "    else:\n"
+         "        if parallel_state.is_pipeline_last_stage(ignore_virtual=False, "
+         "vp_stage=vp_stage):\n",
+         "    elif pp_rank is not None:\n"
+         "        # megatron-hcp mtp-collection-groups: the pipeline rank the caller passes (the\n"
+         "        # model's own, e.g. get_gpt_mtp_block_spec's pp_rank) decides the last stage\n"
+         "        vp_size = config.virtual_pipeline_model_parallel_size\n"
+         "        last_vp = vp_size in (None, 1) or vp_stage == vp_size - 1\n"
+         "        last_pp = pp_rank == config.pipeline_model_parallel_size - 1\n"
+         "        num_layers_to_build = (config.mtp_num_layers or 0) if last_pp and last_vp else 0\n"
+         "    else:\n"
+         "        if parallel_state.is_pipeline_last_stage(ignore_virtual=False, "
+         "vp_stage=vp_stage):\n"),
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "import warnings\n",
+         "import contextlib  # megatron-hcp mtp-collection-groups\n"
+         "import contextvars\n"
+         "import warnings\n"),
+        ("megatron/core/transformer/multi_token_prediction.py",
+         "def mtp_on_this_rank(\n", _model_groups_module() + "def mtp_on_this_rank(\n"),
+        ("megatron/core/models/gpt/gpt_model.py",
+         "    mtp_on_this_rank,\n    process_mtp_loss,\n)\n",
+         "    model_groups,  # megatron-hcp mtp-collection-groups\n"
+         "    mtp_on_this_rank,\n    process_mtp_loss,\n)\n"),
+        ("megatron/core/models/gpt/gpt_model.py",
+         _MTP_ON_THIS_RANK,
+         "        # megatron-hcp mtp-collection-groups: this model's groups in context\n"
+         "        with model_groups(self.pg_collection, "
+         "self.config.virtual_pipeline_model_parallel_size):\n"
+         + _indented(_MTP_ON_THIS_RANK)),
+        ("megatron/core/models/gpt/gpt_model.py",
+         _MTP_LOSS_CALL,
+         "                # megatron-hcp mtp-collection-groups: the logged MTP loss averages over\n"
+         "                # this model's data-parallel group\n"
+         "                with model_groups(\n"
+         "                    self.pg_collection, self.config.virtual_pipeline_model_parallel_size\n"
+         "                ):\n"
+         + _indented(_MTP_LOSS_CALL)),
+    ],
     "pg-collection-repr": [(
         "megatron/core/process_groups_config.py",
         "                if pg is not None:\n"
@@ -677,7 +839,8 @@ def _rope_edits_0192() -> list:
 
 def _mtp_edits_0192() -> list:
     """mtp-dynamic-cp-group on 0.19.2: the layer's three rolls, and process_mtp_loss (shared by
-    GPTModel and HybridModel) instead of GPTModel._postprocess."""
+    GPTModel and HybridModel) instead of GPTModel._postprocess: its rolls over the micro-batch's
+    group, and its per-token weights from the token counts of that whole group."""
     path = "megatron/core/transformer/multi_token_prediction.py"
     group = "_micro_batch_cp_group(self.cp_group, packed_seq_params)"
     rolls = [(path, f"{name}, _ = roll_tensor(\n{ind}    {name},\n{ind}    shifts=-1,\n"
@@ -694,7 +857,8 @@ def _mtp_edits_0192() -> list:
             "    cp_group = _micro_batch_cp_group(cp_group, packed_seq_params)\n"
             "    hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, "
             "dim=0)\n")
-    return [*rolls, helper, loss]
+    counts = (path, PER_TOKEN_COUNTS, CP_TOKEN_COUNTS)  # the runtime's own text (integration)
+    return [*rolls, helper, loss, counts]
 
 
 def _mamba_edits_0192() -> list:
@@ -714,6 +878,7 @@ VERSION_EDITS: dict[str, dict[str, list]] = {
         "attention-dynamic-cp-rope": _rope_edits_0192(),
         "mtp-dynamic-cp-group": _mtp_edits_0192(),
         "mamba-dynamic-cp-group": _mamba_edits_0192(),
+        "mla-tp-group": _mla_tp_group_edits(fused=True),
     },
 }
 

@@ -9,6 +9,7 @@ from .cpu_runtime import (
     revert_cpu_runtime,
 )
 from .integration import INTEGRATION_PATCHES
+from .mla import MLA_CPU_RUNTIME_PATCHES, MLA_DECENTRALIZED_PATCHES
 from .registry import Patch, PatchError, apply, is_applied, megatron_core_version, revert
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "DECENTRALIZED_PATCHES",
     "DYNAMIC_CP_PATCHES",
     "INTEGRATION_PATCHES",
+    "MLA_CPU_RUNTIME_PATCHES",
+    "MLA_DECENTRALIZED_PATCHES",
     "TRAINING_CPU_RUNTIME_PATCHES",
     "Patch",
     "PatchError",
@@ -32,7 +35,8 @@ __all__ = [
 ]
 
 ALL_PATCHES: tuple[Patch, ...] = (INTEGRATION_PATCHES + CPU_RUNTIME_PATCHES
-                                  + TRAINING_CPU_RUNTIME_PATCHES)
+                                  + TRAINING_CPU_RUNTIME_PATCHES + MLA_CPU_RUNTIME_PATCHES
+                                  + MLA_DECENTRALIZED_PATCHES)
 
 
 def by_name(names: list[str] | None = None) -> list[Patch]:
@@ -47,7 +51,8 @@ def by_name(names: list[str] | None = None) -> list[Patch]:
 
 
 # what megatron-core needs to run dynamic-CP micro-batches (RoPE per micro-batch group;
-# variable packed lengths through pipeline stages)
+# variable packed lengths through pipeline stages; MTP's rolls per micro-batch group, and on
+# 0.19.2 its per-token counts over the CP group, static CP included)
 DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-variable-seq-lengths",
                                        "mtp-dynamic-cp-group")
 

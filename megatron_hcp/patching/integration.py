@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -11,9 +14,9 @@ from ..parallel_state.groups import collective_device, destroy_groups
 from ..parallel_state.mpu import forget_stale_groups
 from .cross_entropy import vocab_parallel_cross_entropy
 from .partition_layout import NoCPGroup, make_apply_rope, make_gpt_init, make_rope_table
-from .registry import Patch, Target
+from .registry import Patch, PatchError, Target
 
-__all__ = ["INTEGRATION_PATCHES", "NoCPGroup", "mamba_cp_for_group"]
+__all__ = ["INTEGRATION_PATCHES", "NoCPGroup", "mamba_cp_for_group", "with_cp_token_counts"]
 
 VERSIONS = ("0.16.1", "0.19.2")
 _V16, _V19 = ("0.16.1",), ("0.19.2",)
@@ -188,18 +191,74 @@ def _make_mtp_forward(original):
     return forward
 
 
-def _make_process_mtp_loss(original):
-    import inspect
+# process_mtp_loss (0.19.2, multi_token_prediction.py:883-886): the per-token branch's
+# normalization, and the same with the counts of the whole CP group (the fork diff's text too)
+PER_TOKEN_COUNTS = (
+    "            num_tokens_safe = torch.clamp(num_tokens, min=1)\n"
+    "            mtp_loss_normalized = (\n"
+    "                mtp_loss_scale * mtp_loss * (original_num_tokens / num_tokens_safe)\n"
+    "            )\n")
+CP_TOKEN_COUNTS = (
+    "            # megatron-hcp mtp-dynamic-cp-group: the token counts of the whole CP group\n"
+    "            # (the micro-batch's sequence, as with CP=1), not this rank's share\n"
+    "            cp_original_num_tokens, cp_num_tokens = original_num_tokens, num_tokens\n"
+    "            if cp_group is not None and cp_group.size() > 1:\n"
+    "                cp_counts = torch.stack([original_num_tokens, num_tokens])\n"
+    "                torch.distributed.all_reduce(cp_counts, group=cp_group)\n"
+    "                cp_original_num_tokens, cp_num_tokens = cp_counts[0], cp_counts[1]\n"
+    "            num_tokens_safe = torch.clamp(cp_num_tokens, min=1)\n"
+    "            mtp_loss_normalized = (\n"
+    "                mtp_loss_scale * mtp_loss * (cp_original_num_tokens / num_tokens_safe)\n"
+    "            )\n")
 
+
+def with_cp_token_counts(process_mtp_loss: Callable) -> Callable:
+    """megatron-core 0.19.2's ``process_mtp_loss`` whose per-token normalization
+    (``calculate_per_token_loss``: each MTP token loss times ``tokens / tokens after the roll``)
+    counts the tokens of the whole CP group - the micro-batch's sequence - instead of this
+    rank's share, as with CP=1: upstream's function compiled from its own source with those
+    counts all-reduced over its ``cp_group`` (one all-reduce of two numbers per MTP layer; none
+    without CP). Upstream weighs each CP rank by its own counts, and only one rank (CP rank 0,
+    holding the sequence's ends) loses a token to the roll, so the MTP gradient depended on
+    the CP layout. The logged MTP loss and the non-per-token branch are upstream's. A function
+    that already carries the change (megatron-core patched with the fork diff) is returned as
+    it is; raises :class:`PatchError` when upstream's source is not the one this edit was
+    written for."""
+    try:
+        source = inspect.getsource(process_mtp_loss)
+    except (OSError, TypeError) as err:
+        raise PatchError(f"process_mtp_loss={process_mtp_loss!r}: its source cannot be read "
+                         f"({err}); the CP token counts need megatron-core 0.19.2's") from None
+    if CP_TOKEN_COUNTS in source:
+        return process_mtp_loss
+    if source.count(PER_TOKEN_COUNTS) != 1 or not source.startswith("def process_mtp_loss("):
+        raise PatchError(
+            "process_mtp_loss: the per-token normalization "
+            f"{PER_TOKEN_COUNTS.splitlines()[0].strip()!r}... must occur once in "
+            "megatron-core 0.19.2's function; this release differs (install megatron-core "
+            "0.19.2)")
+    code = process_mtp_loss.__code__
+    edited = "\n" * (code.co_firstlineno - 1) + source.replace(PER_TOKEN_COUNTS,
+                                                               CP_TOKEN_COUNTS)
+    namespace: dict[str, Any] = {}
+    exec(compile(edited, code.co_filename, "exec"),  # noqa: S102 - upstream's own source
+         process_mtp_loss.__globals__, namespace)
+    return functools.wraps(process_mtp_loss)(namespace["process_mtp_loss"])
+
+
+def _make_process_mtp_loss(original):
     signature = inspect.signature(original)
+    counted = with_cp_token_counts(original)
 
     def process_mtp_loss(*args, **kwargs):
-        """MTP loss with its label rolls over the micro-batch's dynamic CP group."""
+        """MTP loss with its label rolls over the micro-batch's dynamic CP group, and its
+        per-token weights from the token counts of that whole group
+        (:func:`with_cp_token_counts`)."""
         bound = signature.bind(*args, **kwargs)
         dynamic, group = _dynamic_group(bound.arguments.get("packed_seq_params"))
         if dynamic:
             bound.arguments["cp_group"] = group  # None: megatron's roll_tensor rolls locally
-        return original(*bound.args, **bound.kwargs)
+        return counted(*bound.args, **bound.kwargs)
 
     return process_mtp_loss
 
@@ -355,13 +414,18 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
     Patch(
         name="mtp-dynamic-cp-group",
         summary="multi-token prediction rolls its inputs and labels over the micro-batch's "
-        "dynamic CP group (local CP size 1: locally) and restores its static group after",
+        "dynamic CP group (local CP size 1: locally) and restores its static group after; "
+        "0.19.2: its per-token MTP loss weights count the tokens of the whole CP group, as "
+        "with CP=1",
         upstream="megatron/core/transformer/multi_token_prediction.py:622,709,716 "
         "MultiTokenPredictionLayer and megatron/core/models/gpt/gpt_model.py:626-638 "
         "(_postprocess, MTP labels) roll with the static cp_group and never look at "
         "packed_seq_params.cp_group; 0.19.2: multi_token_prediction.py:1093-1108 and "
         "process_mtp_loss (760-852), called with cp_group=self.pg_collection.cp by GPTModel "
-        "(gpt_model.py:711) and HybridModel (hybrid_model.py:583)",
+        "(gpt_model.py:711) and HybridModel (hybrid_model.py:583), whose per-token branch "
+        "(876-886) scales each CP rank's MTP token losses by that rank's own original / rolled "
+        "token counts (only CP rank 0 loses a token to the roll): the MTP gradient under CP "
+        "differed from CP=1's",
         versions=VERSIONS,
         targets=(
             Target("megatron.core.transformer.multi_token_prediction",

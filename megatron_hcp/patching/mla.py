@@ -20,14 +20,13 @@ prediction) needs of megatron-core beyond the other CPU-runtime and integration 
   the module's own TP group there.
 
 Apply with :func:`apply_mla_cpu_runtime` (a run on the CPU) and :func:`apply_mla_decentralized`
-(any device; ``megatron_hcp.bridge.install()`` does).
+(any device; ``megatron_hcp.bridge.install()`` does). All are named patches of
+:data:`megatron_hcp.patching.ALL_PATCHES` (``megatron-hcp patch list``) with their fork diffs in
+``patches/``.
 
-:func:`with_cp_token_counts` is megatron-core 0.19.2's ``process_mtp_loss`` with its per-token MTP
-normalization taken over the CP group: upstream scales each CP rank's MTP token losses by that
-rank's own ``tokens / tokens left after the roll``, and only one rank (CP rank 0, holding the
-sequence's ends) loses a token to the roll, so the MTP part of the gradient depends on the CP
-layout. It is not registered as a patch of its own: ``process_mtp_loss`` is the target of
-``mtp-dynamic-cp-group`` (:mod:`.integration`), whose wrapper is where it belongs.
+MTP's per-token loss weights under CP (megatron-core 0.19.2's ``process_mtp_loss`` weighs each CP
+rank by its own token counts) are counted over the whole CP group by ``mtp-dynamic-cp-group``,
+which wraps that function (:func:`megatron_hcp.patching.integration.with_cp_token_counts`).
 """
 
 from __future__ import annotations
@@ -35,16 +34,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .cpu_runtime import CpuDeviceTorch
-from .registry import Patch, PatchError, Target, apply, revert
+from .registry import Patch, Target, apply, revert
 
 __all__ = ["MLA_CPU_RUNTIME_PATCHES", "MLA_DECENTRALIZED_PATCHES", "ModelGroups",
            "apply_mla_cpu_runtime", "apply_mla_decentralized", "model_groups",
-           "revert_mla_patches", "with_cp_token_counts"]
+           "revert_mla_patches"]
 
 _ROPE = "megatron.core.models.common.embeddings"
 _MTP = "megatron.core.transformer.multi_token_prediction"
@@ -191,44 +189,6 @@ def _make_qkv_with_own_tp_group(original: Callable) -> Callable:
     return get_query_key_value_tensors
 
 
-# ---------------------------------------------------------------------------- MTP token counts
-# process_mtp_loss (0.19.2, multi_token_prediction.py:883): the per-token branch's first line; the
-# counts are reduced over the CP group just before it
-_PER_TOKEN_LINE = "            num_tokens_safe = torch.clamp(num_tokens, min=1)\n"
-_CP_COUNTS = (
-    "            if cp_group is not None and cp_group.size() > 1:  # megatron-hcp\n"
-    "                _counts = torch.stack([original_num_tokens.float(), num_tokens.float()])\n"
-    "                torch.distributed.all_reduce(_counts, group=cp_group)\n"
-    "                original_num_tokens, num_tokens = _counts[0], _counts[1]\n")
-
-
-def with_cp_token_counts(process_mtp_loss: Callable) -> Callable:
-    """megatron-core 0.19.2's ``process_mtp_loss`` whose per-token normalization
-    (``calculate_per_token_loss``: each MTP token loss times ``tokens / tokens after the roll``)
-    counts the tokens of the whole CP group - the micro-batch's sequence - instead of this rank's
-    share, as with CP=1: the function compiled from upstream's source with those counts
-    all-reduced over ``cp_group`` (the micro-batch's dynamic group under ``mtp-dynamic-cp-group``)
-    first. The logged MTP loss and the non-per-token branch are upstream's. Raises
-    :class:`PatchError` when upstream's source is not the one this edit was written for."""
-    try:
-        source = inspect.getsource(process_mtp_loss)
-    except (OSError, TypeError) as err:
-        raise PatchError(f"process_mtp_loss={process_mtp_loss!r}: its source cannot be read "
-                         f"({err}); the CP token counts need megatron-core 0.19.2's") from None
-    if source.count(_PER_TOKEN_LINE) != 1 or not source.startswith("def process_mtp_loss("):
-        raise PatchError(
-            "process_mtp_loss: the per-token line "
-            f"{_PER_TOKEN_LINE.strip()!r} must occur once in megatron-core 0.19.2's function; "
-            "this release differs (install megatron-core 0.19.2)")
-    code = process_mtp_loss.__code__
-    edited = "\n" * (code.co_firstlineno - 1) + source.replace(
-        _PER_TOKEN_LINE, _CP_COUNTS + _PER_TOKEN_LINE)
-    namespace: dict[str, Any] = {}
-    exec(compile(edited, code.co_filename, "exec"),  # noqa: S102 - upstream's own source
-         process_mtp_loss.__globals__, namespace)
-    return functools.wraps(process_mtp_loss)(namespace["process_mtp_loss"])
-
-
 # ---------------------------------------------------------------------------- patches
 MLA_CPU_RUNTIME_PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -271,7 +231,8 @@ MLA_DECENTRALIZED_PATCHES: tuple[Patch, ...] = (
         summary="MLA gathers its compressed q / kv over its own TP group, not megatron's global "
         "one (tensor parallelism on the decentralized path)",
         upstream="megatron/core/transformer/multi_latent_attention.py:652,654 "
-        "(MLASelfAttention._qkv_down_projection) and 739,746 (get_query_key_value_tensors) "
+        "(MLASelfAttention._qkv_down_projection), 739,746 (get_query_key_value_tensors) and "
+        "1366,1368 (FusedMLASelfAttention._qkv_down_projection, called there) "
         "gather_from_tensor_model_parallel_region / scatter_to_sequence_parallel_region "
         "without group: megatron's global TP group, None without it (AttributeError "
         "'NoneType' object has no attribute 'size'); 0.16.1: 594,596,607,614",

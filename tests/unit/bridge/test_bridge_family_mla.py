@@ -20,16 +20,15 @@ read the global TP group), and the MoE CPU runtime (``cpu-moe-router-device``).
 
 MTP under CP: megatron-core 0.19.2 scales each CP rank's MTP token losses by that rank's own
 ``tokens / tokens after the roll`` (only CP rank 0 loses a token to it), so the MTP gradient
-depends on the CP layout. The MTP layouts run with those counts taken over the CP group
-(:func:`megatron_hcp.patching.mla.with_cp_token_counts`, put under ``mtp-dynamic-cp-group``'s
-wrapper here for the run) and equal CP=1; without it the difference is pinned.
+depended on the CP layout (3.8e-5 in grad norm). ``mtp-dynamic-cp-group``, which Bridge's hook
+applies, takes those counts over the CP group
+(:func:`megatron_hcp.patching.integration.with_cp_token_counts`): the MTP layouts equal CP=1
+with nothing but the named patches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import pytest
 
@@ -51,32 +50,6 @@ PATHS = {"decentralized": ["dist.use_decentralized_pg=true", "dist.use_gloo_proc
 
 
 # ------------------------------------------------------------------------------ on each rank
-def _upstream(function):
-    """The function a chain of megatron-hcp patches wraps."""
-    from megatron_hcp.group_release import PATCHED_ORIGINAL
-
-    while getattr(function, PATCHED_ORIGINAL, None) is not None:
-        function = getattr(function, PATCHED_ORIGINAL)
-    return function
-
-
-@contextlib.contextmanager
-def mtp_counts_over_cp() -> Iterator[None]:
-    """megatron-core's ``process_mtp_loss`` - the function ``mtp-dynamic-cp-group`` wraps - with
-    :func:`~megatron_hcp.patching.mla.with_cp_token_counts`'s code while inside."""
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    from megatron_hcp.patching.mla import with_cp_token_counts
-
-    upstream = _upstream(mtp.process_mtp_loss)
-    code = upstream.__code__
-    upstream.__code__ = with_cp_token_counts(upstream).__code__
-    try:
-        yield
-    finally:
-        upstream.__code__ = code
-
-
 def _architecture(model) -> dict:
     """What the built model is made of (first model chunk)."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -120,9 +93,10 @@ def _fresh_metric_trackers() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
-def mla_run(overrides: list[str], mtp: bool, counts_over_cp: bool) -> dict:
+def mla_run(overrides: list[str], mtp: bool) -> dict:
     """Train the tiny DeepSeek-V3 through Bridge's ``pretrain`` on this rank for ``STEPS``
-    steps (``mtp``: with its MTP layer); the gathered history and the model's architecture."""
+    steps (``mtp``: with its MTP layer); the gathered history, the model's architecture and the
+    megatron-core patches in effect."""
     from megatron_hcp.bridge.run import metrics_recorder, prepare_environment
 
     prepare_environment(cpu=True)
@@ -133,6 +107,7 @@ def mla_run(overrides: list[str], mtp: bool, counts_over_cp: bool) -> dict:
 
     from megatron_hcp.functional.bridge_recipe import build_bridge_config
     from megatron_hcp.parallel_state.collection import destroy_pg_collection
+    from megatron_hcp.patching import ALL_PATCHES, is_applied
 
     kept: dict = {}
 
@@ -140,28 +115,28 @@ def mla_run(overrides: list[str], mtp: bool, counts_over_cp: bool) -> dict:
         def on_train_start(self, context):
             kept["pgc"] = get_pg_collection(context.model[0])
             kept["architecture"] = _architecture(context.model)
+            kept["patches"] = sorted(p.name for p in ALL_PATCHES if is_applied(p))
 
     _fresh_metric_trackers()
     cfg = build_bridge_config(RECIPE, {"mtp_num_layers": int(mtp)}, overrides, steps=STEPS)
     recorder = metrics_recorder()
-    counts = mtp_counts_over_cp() if counts_over_cp else contextlib.nullcontext()
     try:
-        with counts:
-            pretrain(cfg, forward_step, callbacks=[recorder, Inspect()])
+        pretrain(cfg, forward_step, callbacks=[recorder, Inspect()])
     finally:
         if cfg.dist.use_decentralized_pg and "pgc" in kept:
             destroy_pg_collection(kept["pgc"])
-    return {**recorder.history, "architecture": kept["architecture"]}
+    return {**recorder.history, "architecture": kept["architecture"],
+            "patches": kept["patches"]}
 
 
 # ------------------------------------------------------------------------------ helpers
 _RUNS: dict = {}
 
 
-def _history(world, overrides: list[str], mtp: bool, counts_over_cp: bool = False) -> dict:
-    key = (tuple(overrides), mtp, counts_over_cp)
+def _history(world, overrides: list[str], mtp: bool) -> dict:
+    key = (tuple(overrides), mtp)
     if key not in _RUNS:
-        per_rank = world.run(mla_run, overrides, mtp, counts_over_cp, timeout_s=900)
+        per_rank = world.run(mla_run, overrides, mtp, timeout_s=900)
         assert all(h == per_rank[0] for h in per_rank), "ranks disagree on the gathered history"
         _RUNS[key] = per_rank[0]
     return _RUNS[key]
@@ -183,8 +158,8 @@ def _deviation(run: dict, base: dict) -> float:
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_hcp_trains_the_mla_family_like_bridges_cp1_run(world, path, mtp):
     """CP4 a2a+p2p [2,2] equals CP=1 on the same path, 5 steps, fp32, within 1e-5 (MTP: with
-    its token counts over the CP group)."""
-    run = _history(world, HCP + PATHS[path], mtp, counts_over_cp=mtp)
+    its token counts over the CP group, ``mtp-dynamic-cp-group``)."""
+    run = _history(world, HCP + PATHS[path], mtp)
     base = _history(world, PATHS[path], mtp)
     assert _deviation(run, base) <= RTOL, (run["loss"], base["loss"], run["grad_norm"],
                                            base["grad_norm"])
@@ -196,8 +171,7 @@ def test_tp2_sp_cp2_on_the_decentralized_path_like_bridges_cp1_run(world):
     its own TP group: ``mla-tp-group``), MTP included: equal to TP2 x CP=1."""
     tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
     path = PATHS["decentralized"]
-    run = _history(world, [*tp2, "model.context_parallel_size=2", *path], True,
-                   counts_over_cp=True)
+    run = _history(world, [*tp2, "model.context_parallel_size=2", *path], True)
     base = _history(world, [*tp2, *path], True)
     assert _deviation(run, base) <= RTOL, (run["loss"], base["loss"])
     assert run["architecture"]["cp_levels"] == ["p2p [2]"]
@@ -207,7 +181,7 @@ def test_the_model_is_deepseek_v3s_architecture(world):
     """MLA with YaRN RoPE (frequencies on the CPU) in every layer, MTP's included; a dense and a
     MoE layer of 4 experts with a shared expert, MTP's layer MoE too; megatron-hcp's CP
     attention."""
-    got = _history(world, HCP + PATHS["decentralized"], True, counts_over_cp=True)["architecture"]
+    got = _history(world, HCP + PATHS["decentralized"], True)["architecture"]
     assert got == {
         "attention": ["MLASelfAttention"] * 3, "core_attention": ["ReferenceCPAttention"] * 3,
         "rope": ["YarnRotaryEmbedding"], "rope_device": ["cpu"],
@@ -216,13 +190,18 @@ def test_the_model_is_deepseek_v3s_architecture(world):
         "cp_levels": ["a2a+p2p [2, 2]"]}
 
 
-def test_mtp_with_megatrons_own_counts_depends_on_the_cp_layout(world):
-    """Without the CP counts megatron-core 0.19.2's MTP weighting differs from CP=1's beyond
-    1e-5 (only CP rank 0, holding the sequence's ends, loses a token to the roll), while the
-    model's forward before any update is the same (step 1's lm loss)."""
+def test_mtp_under_cp_weighs_its_tokens_like_cp1(world):
+    """MTP under CP4 a2a+p2p [2,2] equals CP=1 within 1e-5 from the first step's gradient on
+    (megatron-core 0.19.2's own per-rank token counts made step 1's grad norm differ by 3.8e-5,
+    the forward being the same), with nothing but the named patches Bridge's hook and the CPU
+    runtime apply: ``mtp-dynamic-cp-group`` (the counts over the CP group) and the MLA
+    family's."""
     path = PATHS["decentralized"]
     run = _history(world, HCP + path, True)
     base = _history(world, path, True)
-    assert _deviation(run, base) > RTOL
-    assert abs(run["loss"][0] - base["loss"][0]) <= RTOL * base["loss"][0]
-    assert abs(run["grad_norm"][0] - base["grad_norm"][0]) > RTOL * base["grad_norm"][0]
+    for key in ("loss", "grad_norm"):
+        assert abs(run[key][0] - base[key][0]) <= RTOL * abs(base[key][0]), (key, run, base)
+    assert _deviation(run, base) <= RTOL, (run["grad_norm"], base["grad_norm"])
+    assert {"mtp-dynamic-cp-group", "cpu-yarn-rope-device", "mtp-collection-groups",
+            "mla-tp-group"} <= set(run["patches"])
+    assert run["patches"] == base["patches"]

@@ -87,8 +87,10 @@ def test_check_apply_revert_round_trip(pristine, tmp_path):
     assert {s.name: s.state for s in status if s.has_diff} == dict.fromkeys(series, "applicable")
     fixed = {s.name: s.state for s in status if not s.has_diff}
     assert fixed == {p.name: p.status(INSTALLED) for p in ALL_PATCHES
-                     if p.fixed_upstream(INSTALLED) or not p.targets_for(INSTALLED)}
-    assert all(state.startswith(("fixed upstream in", "nothing to change"))
+                     if p.fixed_upstream(INSTALLED) or not p.targets_for(INSTALLED)
+                     or not p.supports(INSTALLED)}
+    assert all(state.startswith(("fixed upstream in", "nothing to change",
+                                 "not written for this version"))
                for state in fixed.values())
     assert apply_diffs(target) == series
     assert {s.state for s in check_diffs(target)[1] if s.has_diff} == {"applied"}
@@ -269,6 +271,8 @@ def test_check_reports_every_release_and_writes_nothing(releases, version, capsy
         label = next(k for k in states if patch.name in k)
         if patch.fixed_upstream(version):
             assert states[label] == f"fixed upstream in {patch.fixed_in}"
+        elif version in VERSIONS and not patch.supports(version):  # written for another
+            assert states[label] == "not written for this version", (patch.name, states[label])
         elif version in VERSIONS and not patch.targets_for(version):  # its code is not there
             assert states[label].startswith("nothing to change"), (patch.name, states[label])
         elif version in VERSIONS:

@@ -10,8 +10,10 @@
   megatron's uninitialized global groups;
 * ``mla-tp-group`` (0.16.1, 0.19.2): MLA's q / kv gathers take the module's TP group (upstream
   passes none: megatron's global group, None on the decentralized path);
-* ``with_cp_token_counts`` (0.19.2): the per-token MTP normalization counts the tokens of the
-  whole CP group instead of this rank's share.
+* ``mtp-dynamic-cp-group``'s per-token MTP counts (0.19.2, :func:`with_cp_token_counts`): the
+  per-token MTP normalization counts the tokens of the whole CP group instead of this rank's
+  share;
+* all of them are named patches of ``ALL_PATCHES`` with their fork diffs.
 
 Bridge's loop with all of them: ``tests/unit/bridge/test_bridge_family_mla.py``.
 """
@@ -23,13 +25,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_hcp.patching import PatchError, apply, by_name, revert
+from megatron_hcp.patching import ALL_PATCHES, PatchError, apply, by_name, revert
+from megatron_hcp.patching.forkpatch import SERIES, series_for
+from megatron_hcp.patching.integration import with_cp_token_counts
 from megatron_hcp.patching.mla import (
     MLA_CPU_RUNTIME_PATCHES,
     MLA_DECENTRALIZED_PATCHES,
     apply_mla_decentralized,
     model_groups,
-    with_cp_token_counts,
 )
 from megatron_hcp.patching.registry import is_applied, megatron_core_version
 
@@ -61,6 +64,14 @@ def clean():
     revert(ROPE + ALL)
     yield
     revert(ROPE + ALL)
+
+
+def test_the_mla_patches_are_named_patches_with_their_fork_diffs():
+    names = [p.name for p in ALL]
+    assert names == ["cpu-yarn-rope-device", "mtp-collection-groups", "mla-tp-group"]
+    assert all(p in ALL_PATCHES for p in ALL) and set(names) <= set(SERIES)
+    assert {v: [n for n in series_for(v) if n in names] for v in ("0.16.1", "0.19.2")} == {
+        "0.16.1": ["cpu-yarn-rope-device", "mla-tp-group"], "0.19.2": names}
 
 
 # ------------------------------------------------------------------ YaRN
@@ -226,10 +237,22 @@ def _mtp_loss_grad(process_mtp_loss, cp_group) -> torch.Tensor:
     return hidden.grad[4:, 0, 0]
 
 
+MTP_CP = tuple(by_name(["mtp-dynamic-cp-group"]))
+
+
+@pytest.fixture
+def no_mtp_cp():
+    revert(MTP_CP)
+    yield
+    revert(MTP_CP)
+
+
 @needs_0192
-def test_cp_token_counts_weigh_mtp_tokens_by_the_cp_groups_counts(monkeypatch):
+@pytest.mark.parametrize("form", ["function", "patch"])
+def test_cp_token_counts_weigh_mtp_tokens_by_the_cp_groups_counts(monkeypatch, no_mtp_cp, form):
     """The other CP rank holds 4 tokens and loses one to the roll: upstream weighs this rank's
-    tokens by its own 4/4, the counts of the group give 8/7 (CP=1's weight)."""
+    tokens by its own 4/4, the counts of the group give 8/7 (CP=1's weight); ``patch``: the
+    counts as ``mtp-dynamic-cp-group`` applies them to megatron's ``process_mtp_loss``."""
     import torch.distributed as dist
     from megatron.core.transformer import multi_token_prediction as mtp
 
@@ -238,7 +261,12 @@ def test_cp_token_counts_weigh_mtp_tokens_by_the_cp_groups_counts(monkeypatch):
     upstream = mtp.process_mtp_loss
     while getattr(upstream, PATCHED_ORIGINAL, None) is not None:
         upstream = getattr(upstream, PATCHED_ORIGINAL)
-    fixed = with_cp_token_counts(upstream)
+    if form == "function":
+        fixed = with_cp_token_counts(upstream)
+    else:
+        apply(MTP_CP)
+        fixed = mtp.process_mtp_loss  # no packed_seq_params: the static CP group it is given
+        assert getattr(fixed, PATCHED_ORIGINAL) is upstream
     monkeypatch.setattr(mtp, "roll_tensor",
                         lambda tensor, **kwargs: (tensor, tensor.sum()))
     reduced = []
@@ -261,5 +289,29 @@ def test_cp_token_counts_refuse_another_function():
     def process_mtp_loss(hidden_states):
         return hidden_states
 
-    with pytest.raises(PatchError, match="per-token line .* must occur once"):
+    with pytest.raises(PatchError, match="per-token normalization .* must occur once"):
         with_cp_token_counts(process_mtp_loss)
+
+
+@needs_0192
+def test_cp_token_counts_leave_a_function_that_has_them_as_it_is(tmp_path):
+    """megatron-core patched with the fork diff already counts over the CP group: the runtime
+    patch adds no second all-reduce."""
+    import importlib.util
+    import inspect
+
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from megatron_hcp.group_release import PATCHED_ORIGINAL
+    from megatron_hcp.patching.integration import CP_TOKEN_COUNTS, PER_TOKEN_COUNTS
+
+    upstream = mtp.process_mtp_loss
+    while getattr(upstream, PATCHED_ORIGINAL, None) is not None:
+        upstream = getattr(upstream, PATCHED_ORIGINAL)
+    forked = tmp_path / "forked_mtp.py"
+    forked.write_text("from __future__ import annotations\n\n\n" + inspect.getsource(
+        upstream).replace(PER_TOKEN_COUNTS, CP_TOKEN_COUNTS))
+    spec = importlib.util.spec_from_file_location("forked_mtp", forked)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert with_cp_token_counts(module.process_mtp_loss) is module.process_mtp_loss

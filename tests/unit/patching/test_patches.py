@@ -25,6 +25,8 @@ HERE = [p for p in ALL_PATCHES if p.needed() and not p.missing_requirement()]
 FIXED_HERE = {p.name for p in ALL_PATCHES if p.fixed_upstream()}
 # written for this release, but what they change is not in it (megatron/training from 0.19)
 ABSENT_HERE = {p.name for p in ALL_PATCHES if p.supports() and not p.targets_for()}
+# not written for this release (the releases a patch names are the only ones it applies to)
+NOT_WRITTEN_HERE = {p.name for p in ALL_PATCHES if not p.supports() and not p.fixed_upstream()}
 
 
 @pytest.fixture
@@ -46,9 +48,13 @@ def snapshot(patches):
 def test_every_patch_applies_and_reverts_to_the_identical_original(clean):
     assert {p.name for p in ALL_PATCHES} - {p.name for p in HERE} == {
         "te-attention-hcp", "mamba-dynamic-cp-group", *FIXED_HERE,  # TE / triton + mamba_ssm
-        *ABSENT_HERE}
+        *ABSENT_HERE, *NOT_WRITTEN_HERE}
     assert ABSENT_HERE == ({"moe-router-gating-without-te"} if INSTALLED == "0.19.2"
                            else {"cpu-ddp-wrap", "moe-metrics-collection-dp"})
+    assert NOT_WRITTEN_HERE == (set() if INSTALLED == "0.19.2" else {"mtp-collection-groups"})
+    # the MLA family's patches (megatron_hcp.patching.mla) are named patches like the others
+    assert {"cpu-yarn-rope-device", "mla-tp-group"} <= {p.name for p in HERE}
+    assert ("mtp-collection-groups" in {p.name for p in HERE}) == (INSTALLED == "0.19.2")
     assert FIXED_HERE == ({"cross-entropy-model-tp-group", "pg-collection-repr",
                            "chained-optimizer-count-zeros-tp-group", "mla-without-te"}
                           if INSTALLED == "0.19.2" else set())
@@ -207,6 +213,14 @@ def test_cli_patch_list(clean, capsys):
         assert f"megatron-core {INSTALLED}: fixed upstream in 0.18.0" in out
     assert "upstream: megatron/core/process_groups_config.py" in out
     assert all(p.name in out for p in ALL_PATCHES)
+    mla = {ln.split()[0]: ln.split()[1:5] for ln in out.splitlines()
+           if ln.strip().startswith(("cpu-yarn-rope-device", "mtp-collection-groups",
+                                     "mla-tp-group"))}
+    assert mla == {
+        "cpu-yarn-rope-device": ["cpu-runtime", "0.16.1,0.19.2", "yes", "no"],
+        "mtp-collection-groups": ["integration", "0.19.2",
+                                  *(["yes", "no"] if INSTALLED == "0.19.2" else ["no", "n/a"])],
+        "mla-tp-group": ["integration", "0.16.1,0.19.2", "yes", "no"]}
     # the Megatron-Bridge hook's patches are listed with their own package's releases
     from megatron_hcp.bridge.hook import BRIDGE_PATCHES
 
