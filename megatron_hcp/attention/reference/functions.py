@@ -28,7 +28,7 @@ import torch
 from ...sharding import contiguous_window_reach
 from . import comm
 from .blocks import Block, Window, plan_block, record_block, record_kernel, take
-from .kernels import acc_dtype, block_backward, block_forward
+from .kernels import acc_dtype, block_backward, block_forward, row_chunks
 from .merge import merge_into
 from .pieces import split_mode, splitting
 from .reorder import OutputOrder, split_kv
@@ -104,12 +104,13 @@ def _forward_block(q, k, v, block, scale, out, lse, bias=None, *, first=False, v
                            first=first and rows not in reached)
             reached.add(rows)
         return
-    ob, lb = block_forward(
-        take(q, block.rows), take(k, block.cols), take(v, block.cols),
-        scale=scale, causal=block.causal, mask=block.mask, bias=bias,
-    )
-    merge_into(out, lse, block.rows, ob, lb, first=first,
-               empty_rows=block.mask is not None or bias is not None)
+    for part in _row_parts(block, q, v, bias):  # each merged as it comes: rows apart
+        ob, lb = block_forward(
+            take(q, part.rows), take(k, part.cols), take(v, part.cols),
+            scale=scale, causal=part.causal, mask=part.mask, bias=bias,
+        )
+        merge_into(out, lse, part.rows, ob, lb, first=first,
+                   empty_rows=part.mask is not None or bias is not None)
 
 
 def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None, *,
@@ -126,17 +127,53 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
         for piece in block.pieces:
             _backward_block(dout, q, k, v, out, lse, piece, scale, dq, dk, dv)
         return None
-    gq, gk, gv, *gb = block_backward(
-        take(dout, block.rows), take(q, block.rows), take(k, block.cols), take(v, block.cols),
-        take(out, block.rows), take(lse, block.rows),
-        scale=scale, causal=block.causal, mask=block.mask, bias=bias,
-    )
-    for acc, grad, sel in ((dq, gq, block.rows), (dk, gk, block.cols), (dv, gv, block.cols)):
-        if isinstance(sel, slice):
-            acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
-        else:
-            acc.index_add_(2, sel, grad.to(acc.dtype))
+    gb: list[torch.Tensor] = []
+    for part in _row_parts(block, q, v, bias):  # each added into the gradients as it comes
+        gq, gk, gv, *gb = block_backward(
+            take(dout, part.rows), take(q, part.rows), take(k, part.cols), take(v, part.cols),
+            take(out, part.rows), take(lse, part.rows),
+            scale=scale, causal=part.causal, mask=part.mask, bias=bias,
+        )
+        for acc, grad, sel in ((dq, gq, part.rows), (dk, gk, part.cols),
+                               (dv, gv, part.cols)):
+            if isinstance(sel, slice):
+                acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
+            else:
+                acc.index_add_(2, sel, grad.to(acc.dtype))
+        del gq, gk, gv
     return gb[0] if gb else None
+
+
+def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Block]:
+    """``block`` as the blocks of the row chunks it runs in (:func:`~.kernels.row_chunks`:
+    where its kernel would build a mask or scores of rows x cols larger than its share of
+    q), each with its rows, its mask's rows and a causal diagonal folded into a mask offset
+    by the chunk's start; else ``[block]``."""
+    n, m = q.shape[2], v.shape[2]
+    rows, cols = _count(block.rows, n), _count(block.cols, m)
+    parts = row_chunks(q, v, rows, cols, causal=block.causal, masked=block.mask is not None,
+                       biased=bias is not None)
+    if parts is None:
+        return [block]
+    start = range(n)[block.rows].start if isinstance(block.rows, slice) else 0
+    out = []
+    for part in parts:
+        sub = (slice(start + part.start, start + part.stop) if isinstance(block.rows, slice)
+               else block.rows[part])
+        if block.mask is not None:
+            mask = block.mask.query_rows(part)
+        elif block.causal:  # the diagonal of the chunk's rows: offset by its start
+            mask = torch.ones(part.stop - part.start, cols, dtype=torch.bool,
+                              device=q.device).tril(part.start)
+        else:
+            mask = None
+        out.append(Block(sub, block.cols, False, mask))
+    return out
+
+
+def _count(sel, n: int) -> int:
+    """Tokens a selector (slice of ``n``, or index) takes."""
+    return len(range(n)[sel]) if isinstance(sel, slice) else int(sel.numel())
 
 
 def _new_acc(q: torch.Tensor, v: torch.Tensor, first: Block | None
@@ -283,6 +320,8 @@ def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
             or range(s)[block.rows] != range(s) or range(s)[block.cols] != range(s)):
         return None
     k, v = split_kv(kv, dim)
+    if _row_parts(block, q, v, None)[0] is not block:  # it runs in row chunks
+        return None
     grads = block_backward(take(dout, whole), take(q, whole), k, v, take(out, whole),
                            take(lse, whole), scale=scale, causal=block.causal,
                            mask=block.mask)

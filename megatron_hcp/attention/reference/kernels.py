@@ -48,7 +48,8 @@ from torch.torch_version import TorchVersion
 from .blocks import BlockMask, additive_of, record_kernel
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
-           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for"]
+           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for",
+           "row_chunks"]
 
 _NEG_INF = float("-inf")
 CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH = "cpu_flash", "cuda_flash", "cuda_efficient", "math"
@@ -298,6 +299,41 @@ def _chunks_for(kernel: str, rows: int, mask: torch.Tensor | BlockMask | None
     if kernel != CUDA_EFFICIENT or mask is None:
         return None
     return _row_chunks(rows, mask.shape[1])
+
+
+# what a block builds of rows x cols - a masked block's additive mask and the eager
+# comparisons that build it (booleans, a window's int64 gaps), the math path's scores and
+# probabilities - is held within 1/MASK_SHARE of the elements of the block's q, or
+# CHUNK_ELEMENTS (small blocks run whole): :func:`row_chunks` cuts the rows where it would
+# take more (a packed block of a few long sequences, a window block, the whole sequence
+# after an a2a, MLA head dims on the CPU: rows x cols grows with the local sequence squared,
+# q only with it)
+MASK_SHARE = 4
+CHUNK_ELEMENTS = 2**18
+
+
+def row_chunks(q: torch.Tensor, v: torch.Tensor, rows: int, cols: int, *, causal: bool,
+               masked: bool, biased: bool) -> list[slice] | None:
+    """The chunks of its query rows a block of ``rows`` x ``cols`` runs in (``q`` [B, H, *,
+    D], ``v`` [B, Hkv, *, Dv]: the tensors it takes its rows and columns from), each a block
+    of its own: where its kernel (:func:`choose_kernel`) builds something of rows x cols - a
+    fused kernel's mask (rows 16-element aligned on CUDA), the math path's [B, H, rows, cols]
+    scores - that would take more than :data:`MASK_SHARE` / :data:`CHUNK_ELEMENTS` allow;
+    ``None``: the block whole (an unmasked fused block builds nothing of that size; a biased
+    one takes its [rows, cols] bias gradient anyway)."""
+    kernel = choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1], rows, cols,
+                           causal=causal, masked=masked, biased=biased).kernel
+    b, h, _, d = q.shape
+    if kernel == MATH and not biased:
+        per_row = b * h * cols
+    elif masked and kernel in (CPU_FLASH, CUDA_EFFICIENT):
+        per_row = -(-cols // 16) * 16 if q.device.type == "cuda" else cols
+    else:
+        return None
+    step = max(1, max(b * h * rows * d // MASK_SHARE, CHUNK_ELEMENTS) // max(per_row, 1))
+    if step >= rows:
+        return None
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def _mask_rows(mask: torch.Tensor | BlockMask, rows: slice, causal: bool
