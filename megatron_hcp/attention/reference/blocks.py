@@ -186,13 +186,12 @@ def _mask(q: Meta, k: Meta, causal: bool, window: Window) -> torch.Tensor:
     mask = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
     if causal:
         mask &= k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        left, right = window
-        gap = q_pos[:, None] - k_pos[None, :]
+    if window is not None:  # bounds per query, compared with every key: booleans only, no
+        left, right = window  # [rows, cols] of integer gaps
         if left >= 0:
-            mask &= gap <= left
+            mask &= k_pos[None, :] >= (q_pos - left)[:, None]
         if right >= 0:
-            mask &= -gap <= right
+            mask &= k_pos[None, :] <= (q_pos + right)[:, None]
     return mask
 
 

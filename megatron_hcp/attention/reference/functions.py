@@ -22,6 +22,7 @@ forward returns does not depend on how fast its peers are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -239,13 +240,16 @@ def ring_reach(layout: SeqLayout, causal: bool, window: Window) -> int:
                default=0)
 
 
-def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int):
+def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int,
+                after_step: Callable[[int], None] | None = None):
     """Yield ``(src, kv of src)`` for each of ``steps`` ring steps (``p``: the whole ring).
 
     The next step's K/V is already on its way while the caller computes with the current one;
     a step's buffer is dropped (its send's work with it) before the next one is allocated, so
     two messages live at a time besides ``kv`` - provided the caller drops what it was given
-    before asking for the next.
+    before asking for the next. ``after_step(step)`` runs once a step's exchange is done and
+    its message dropped, before the next step's buffer exists (one message alive then: the
+    backward hands dK/dV on there).
     """
     p = len(ranks)
     nxt, prv = ranks[(pos + 1) % p], ranks[(pos - 1) % p]
@@ -257,8 +261,9 @@ def _ring_steps(kv: torch.Tensor, group, ranks: list[int], pos: int, steps: int)
         yield (pos - step) % p, kv
         while works:
             works.pop().wait()
-        if incoming is not None:
-            kv = incoming
+        kv, incoming = incoming, None
+        if after_step is not None:
+            after_step(step)
 
 
 def _pass_grads(dkv: torch.Tensor, group, ranks: list[int], pos: int, hop: int
@@ -390,17 +395,24 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
         steps = ring_reach(layout, causal, window) + 1
-        for step, (src, msg) in enumerate(_ring_steps(kv, group, ranks, pos, steps)):
+        travelling = [dkv]
+
+        def hand_on(step: int) -> None:
+            """dK/dV of this step's source travel on with its K/V; after the last step they
+            go home: `step` ranks back (the whole ring: the next rank)."""
+            if p > 1 and steps > 1:
+                hop = 1 if step < steps - 1 else (p - step) % p
+                travelling.append(_pass_grads(travelling.pop(), group, ranks, pos, hop))
+
+        del dkv
+        for src, msg in _ring_steps(kv, group, ranks, pos, steps, hand_on):
             block = plan_block(layout, layout.at(layout.cp, src), causal, window,
                                varlen=ctx.varlen)
             if block is not None:
                 _ring_backward_step(dout, q, msg, dim, layout, src, block, scale, out, lse,
-                                    dq, dkv, bias, dbias, ctx.varlen)
+                                    dq, travelling[0], bias, dbias, ctx.varlen)
             del msg
-            if p > 1 and steps > 1:  # dK/dV of `src` travel on with its K/V; after the
-                # last step they go home: `step` ranks back (the whole ring: the next rank)
-                hop = 1 if step < steps - 1 else (p - step) % p
-                dkv = _pass_grads(dkv, group, ranks, pos, hop)
+        dkv = travelling.pop()
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
         dbias = dbias.to(bias.dtype) if bias is not None else None
         return (dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None, None,

@@ -301,15 +301,15 @@ def _chunks_for(kernel: str, rows: int, mask: torch.Tensor | BlockMask | None
     return _row_chunks(rows, mask.shape[1])
 
 
-# what a block builds of rows x cols - a masked block's additive mask and the eager
-# comparisons that build it (booleans, a window's int64 gaps), the math path's scores and
-# probabilities - is held within 1/MASK_SHARE of the elements of the block's q, or
-# CHUNK_ELEMENTS (small blocks run whole): :func:`row_chunks` cuts the rows where it would
-# take more (a packed block of a few long sequences, a window block, the whole sequence
-# after an a2a, MLA head dims on the CPU: rows x cols grows with the local sequence squared,
-# q only with it)
+# what a block builds of rows x cols - a masked block's additive mask and the booleans that
+# build it, the math path's scores and probabilities - is held within 1/MASK_SHARE of the
+# elements of the block's q, or MASK_ELEMENTS / CHUNK_ELEMENTS (small blocks run whole):
+# :func:`row_chunks` cuts the rows where it would take more (a packed block of a few long
+# sequences, a window block, the whole sequence after an a2a, MLA head dims on the CPU:
+# rows x cols grows with the local sequence squared, q only with it)
 MASK_SHARE = 4
-CHUNK_ELEMENTS = 2**18
+MASK_ELEMENTS = 2**16  # a mask's elements: 4 bytes (fp32 mask) + a few booleans each
+CHUNK_ELEMENTS = 2**18  # the math path's scores
 
 
 def row_chunks(q: torch.Tensor, v: torch.Tensor, rows: int, cols: int, *, causal: bool,
@@ -318,19 +318,20 @@ def row_chunks(q: torch.Tensor, v: torch.Tensor, rows: int, cols: int, *, causal
     D], ``v`` [B, Hkv, *, Dv]: the tensors it takes its rows and columns from), each a block
     of its own: where its kernel (:func:`choose_kernel`) builds something of rows x cols - a
     fused kernel's mask (rows 16-element aligned on CUDA), the math path's [B, H, rows, cols]
-    scores - that would take more than :data:`MASK_SHARE` / :data:`CHUNK_ELEMENTS` allow;
+    scores - that would take more than :data:`MASK_SHARE` and the floors allow;
     ``None``: the block whole (an unmasked fused block builds nothing of that size; a biased
     one takes its [rows, cols] bias gradient anyway)."""
     kernel = choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1], rows, cols,
                            causal=causal, masked=masked, biased=biased).kernel
     b, h, _, d = q.shape
     if kernel == MATH and not biased:
-        per_row = b * h * cols
+        per_row, floor = b * h * cols, CHUNK_ELEMENTS
     elif masked and kernel in (CPU_FLASH, CUDA_EFFICIENT):
         per_row = -(-cols // 16) * 16 if q.device.type == "cuda" else cols
+        floor = MASK_ELEMENTS
     else:
         return None
-    step = max(1, max(b * h * rows * d // MASK_SHARE, CHUNK_ELEMENTS) // max(per_row, 1))
+    step = max(1, max(b * h * rows * d // MASK_SHARE, floor) // max(per_row, 1))
     if step >= rows:
         return None
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
