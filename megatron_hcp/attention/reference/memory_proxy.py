@@ -1,0 +1,170 @@
+"""Memory per rank of one CP attention step, against one flash call on the rank's own tokens.
+
+A step is one :func:`~.api.context_parallel_attention` forward and its backward on this rank
+(real groups, real communication), counted by :func:`~.memory.measure_step` as a model runs
+it: q, k and v are made inside the step and dropped after the forward, so what is alive then
+is the output and what the autograd graph keeps. The baseline is :class:`LocalFlash` on the
+same rank's tokens, measured the same way in the same run: one flash-attention call, which
+keeps exactly q, k, v, the output and the LSE (Transformer Engine's and FlashAttention's saved
+set) and recomputes the rest in its backward. A warm-up step runs first, so what the backend
+builds once per packing (layout metadata, a2a permutations, a window's trimming) is not in the
+counts. ``benchmarks/attention_memory.py`` prints the ratios and
+``tests/unit/attention/test_attention_memory.py`` holds them to the targets.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...sharding import get_local_chunk
+from .api import context_parallel_attention
+from .blocks import Block
+from .functions import _backward_block, _forward_block, _new_acc, _row_parts
+from .kernels import acc_dtype, block_backward, block_forward
+from .launch_proxy import _groups
+from .memory import StepMemory, measure_step
+
+__all__ = ["MemoryCase", "LocalFlash", "floor_bytes", "local_flash", "rank_memory"]
+
+
+@dataclass(frozen=True)
+class MemoryCase:
+    """One CP attention configuration: global sequence ``seq`` (bshd: batch 1; thd:
+    ``sequences`` packed sequences of equal length), causal."""
+
+    name: str
+    comm: str
+    cp: int
+    fmt: str = "bshd"
+    heads: int = 8
+    kv_heads: int = 8
+    dim: int = 64
+    dim_v: int | None = None
+    window: tuple[int, int] | None = None
+    seq: int = 2048
+    dtype: torch.dtype = torch.float32
+    sequences: int = 4
+
+    @property
+    def hcp(self) -> tuple[int, int] | None:
+        return (2, self.cp // 2) if self.comm == "a2a+p2p" else None
+
+    @property
+    def a2a(self) -> int:
+        """The a2a size (1 without an a2a level)."""
+        return {"a2a": self.cp, "a2a+p2p": 2}.get(self.comm, 1)
+
+
+def floor_bytes(case: MemoryCase) -> dict[str, int]:
+    """Per rank, what the kernels read again in backward, and the output: q, k, v (K/V at
+    ``a2a / kv_heads`` times their size where an a2a level replicates KV heads), out and the
+    fp32 LSE, in bytes."""
+    tokens = case.seq // case.cp
+    size = torch.empty((), dtype=case.dtype).element_size()
+    dv = case.dim_v or case.dim
+    reps = max(1, case.a2a // case.kv_heads)
+    return {"q": tokens * case.heads * case.dim * size,
+            "k": reps * tokens * case.kv_heads * case.dim * size,
+            "v": reps * tokens * case.kv_heads * dv * size,
+            "out": tokens * case.heads * dv * size,
+            "lse": tokens * case.heads * 4}
+
+
+class LocalFlash(torch.autograd.Function):
+    """One flash-attention call, causal, on q [B,H,S,D], k/v [B,Hkv,S,D|Dv]: the project's
+    block kernel on the whole block (the CPU flash kernel, one call), saving exactly q, k, v,
+    out and LSE. Where the kernel is the math path (MLA head dims on the CPU) its rows run in
+    the chunks CP attention runs them in (:func:`~.kernels.row_chunks`), with gradient
+    accumulators. A window does not change a flash call's memory (flash kernels compute it
+    without a mask): the causal call is the baseline of windowed cases too."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        block = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), True, None)
+        if _row_parts(block, q, v, None)[0] is block:
+            out, lse = block_forward(q, k, v, scale=scale, causal=True)
+        else:
+            out, lse = _new_acc(q, v, block)
+            _forward_block(q, k, v, block, scale, out, lse, first=True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.block = scale, block
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        block = ctx.block
+        if _row_parts(block, q, v, None)[0] is block:
+            dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=ctx.scale, causal=True)
+        else:
+            acc = acc_dtype(q.dtype)
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+            _backward_block(dout, q, k, v, out, lse, block, ctx.scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:class:`LocalFlash` on bshd tensors [B, S, H, D] (thd [T, H, D]: one sequence)."""
+    thd = q.dim() == 3
+    q, k, v = ((t.unsqueeze(0) if thd else t).transpose(1, 2) for t in (q, k, v))
+    out = LocalFlash.apply(q, k, v, q.shape[-1] ** -0.5).transpose(1, 2)
+    return out.squeeze(0) if thd else out
+
+
+def _inputs(case: MemoryCase, position: int, device: torch.device):
+    """This rank's shards of q, k, v, dout (leaves) and the thd metadata (fixed seed)."""
+    gen = torch.Generator().manual_seed(0)
+    dv = case.dim_v or case.dim
+    meta: dict[str, torch.Tensor] = {}
+    lead: tuple[int, ...] = (1, case.seq)
+    if case.fmt == "thd":
+        n = case.sequences
+        cu = torch.tensor([case.seq * i // n for i in range(n + 1)], dtype=torch.int32)
+        meta = {"cu_seqlens_q": cu.to(device), "cu_seqlens_q_padded": cu.to(device)}
+        lead = (case.seq,)
+    shapes = [(case.heads, case.dim), (case.kv_heads, case.dim), (case.kv_heads, dv),
+              (case.heads, dv)]
+    full = [torch.randn(*lead, *s, generator=gen).to(device, case.dtype) for s in shapes]
+    pad = meta.get("cu_seqlens_q_padded")
+    shards = [get_local_chunk(x, case.cp, position, case.fmt, pad).contiguous()
+              for x in full]
+    return shards, meta
+
+
+def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu"
+                ) -> list[tuple[StepMemory, StepMemory]]:
+    """On every rank of the world: (CP step, :class:`LocalFlash` step) of each case, counted
+    by :func:`~.memory.measure_step` after a warm-up step. Cases whose CP size does not divide
+    the world are refused."""
+    world = dist.get_world_size()
+    for case in cases:
+        if world % case.cp:
+            raise ValueError(f"case {case.name!r}: cp={case.cp} does not divide the world of "
+                             f"{world} ranks; run it on a world of a multiple of {case.cp}")
+    cache: dict = {}
+    out = []
+    for case in cases:
+        group, position = _groups(case, cache)
+        (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
+                      window_size=case.window, **meta)
+
+        def cp_step(*qkv: torch.Tensor, kwargs=kwargs) -> torch.Tensor:
+            return context_parallel_attention(*qkv, **kwargs)
+
+        def flash_step(*qkv: torch.Tensor) -> torch.Tensor:
+            return local_flash(*qkv)
+
+        cp_step(*leaves).backward(dout)  # warm-up: per-packing metadata, permutations
+        flash_step(*leaves).backward(dout)
+        gc.collect()
+        cp = measure_step(cp_step, leaves, dout)
+        flash = measure_step(flash_step, leaves, dout)
+        out.append((cp, flash))
+    return out
