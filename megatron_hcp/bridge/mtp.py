@@ -100,8 +100,8 @@ BRIDGE_MTP_PATCHES: tuple[Patch, ...] = (
         "mtp_on_this_rank (multi_token_prediction.py:635) for the global pipeline rank, which "
         "the decentralized path never sets",
         versions=VERSIONS,
-        targets=(Target(f"{_PKG}.models.gpt_provider", "MCoreGPTModel", _make_model_build,
-                        params=("config", "transformer_layer_spec")),),
+        # any callable in MCoreGPTModel's place takes the wrapper (config, *args, **kwargs)
+        targets=(Target(f"{_PKG}.models.gpt_provider", "MCoreGPTModel", _make_model_build),),
         category="bridge", package="megatron-bridge",
     ),
 )

@@ -39,12 +39,11 @@ def stand_ins():
     """The import-only stand-ins where the packages are missing; removed afterwards."""
     import megatron.core  # noqa: F401  (megatron decides HAVE_TE before the stand-in exists)
 
-    had = {n: sys.modules.get(n) for n in import_shims.IMPORT_SHIMS}
+    # every module of the packages (an earlier test module's stand-in submodules too)
+    had = {n: m for n, m in sys.modules.items() if n.split(".")[0] in import_shims.IMPORT_SHIMS}
     yield import_shims.install()
     import_shims.remove()
-    for name, module in had.items():
-        if module is not None:
-            sys.modules[name] = module
+    sys.modules.update(had)
 
 
 def test_import_only_stand_ins_import_and_nothing_else(stand_ins):
