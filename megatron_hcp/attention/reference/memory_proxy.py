@@ -22,9 +22,7 @@ import torch.distributed as dist
 
 from ...sharding import get_local_chunk
 from .api import context_parallel_attention
-from .blocks import Block
-from .functions import _backward_block, _forward_block, _new_acc, _row_parts
-from .kernels import acc_dtype, block_backward, block_forward
+from .kernels import MATH, acc_dtype, block_backward, block_forward, choose_kernel
 from .launch_proxy import _groups
 from .memory import StepMemory, measure_step
 
@@ -74,37 +72,72 @@ def floor_bytes(case: MemoryCase) -> dict[str, int]:
             "lse": tokens * case.heads * 4}
 
 
+# the flash call's rows run in chunks where the CPU takes the math path (MLA head dims): its
+# [B, H, rows, S] scores within a quarter of q's elements or 2^18, as CP attention's blocks
+# (kernels.row_chunks); defined here, so that the baseline does not change with the code
+# it measures
+_SCORE_SHARE, _SCORE_ELEMENTS = 4, 2**18
+
+
+def _flash_chunks(q: torch.Tensor, v: torch.Tensor) -> list[slice] | None:
+    """Row chunks of the baseline's one causal block, or ``None`` (one kernel call)."""
+    b, h, s, d = q.shape
+    kernel = choose_kernel(q.device.type, q.dtype, d, v.shape[-1], s, s, causal=True,
+                           masked=False, biased=False)
+    if kernel.kernel != MATH:
+        return None
+    step = max(1, max(q.numel() // _SCORE_SHARE, _SCORE_ELEMENTS) // (b * h * s))
+    return None if step >= s else [slice(i, min(i + step, s)) for i in range(0, s, step)]
+
+
+def _causal_rows(rows: slice, cols: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of the query ``rows`` of a square block (booleans)."""
+    return torch.ones(rows.stop - rows.start, cols, dtype=torch.bool, device=device).tril(
+        rows.start)
+
+
 class LocalFlash(torch.autograd.Function):
     """One flash-attention call, causal, on q [B,H,S,D], k/v [B,Hkv,S,D|Dv]: the project's
     block kernel on the whole block (the CPU flash kernel, one call), saving exactly q, k, v,
     out and LSE. Where the kernel is the math path (MLA head dims on the CPU) its rows run in
-    the chunks CP attention runs them in (:func:`~.kernels.row_chunks`), with gradient
-    accumulators. A window does not change a flash call's memory (flash kernels compute it
-    without a mask): the causal call is the baseline of windowed cases too."""
+    chunks (:func:`_flash_chunks`), dK/dV summed over them. A window does not change a flash
+    call's memory (flash kernels compute it without a mask): the causal call is the baseline
+    of windowed cases too."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
-        block = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), True, None)
-        if _row_parts(block, q, v, None)[0] is block:
+        chunks = _flash_chunks(q, v)
+        if chunks is None:
             out, lse = block_forward(q, k, v, scale=scale, causal=True)
         else:
-            out, lse = _new_acc(q, v, block)
-            _forward_block(q, k, v, block, scale, out, lse, first=True)
+            acc = acc_dtype(q.dtype)
+            out = q.new_empty((*q.shape[:3], v.shape[-1]), dtype=acc)
+            lse = q.new_empty(q.shape[:3], dtype=acc)
+            for rows in chunks:
+                out[:, :, rows], lse[:, :, rows] = block_forward(
+                    q[:, :, rows], k, v, scale=scale,
+                    mask=_causal_rows(rows, k.shape[2], q.device))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.block = scale, block
+        ctx.scale, ctx.chunks = scale, chunks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        block = ctx.block
-        if _row_parts(block, q, v, None)[0] is block:
+        if ctx.chunks is None:
             dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=ctx.scale, causal=True)
         else:
             acc = acc_dtype(q.dtype)
-            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-            _backward_block(dout, q, k, v, out, lse, block, ctx.scale, dq, dk, dv)
+            dq = q.new_empty(q.shape, dtype=acc)
+            dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+            for rows in ctx.chunks:
+                gq, gk, gv = block_backward(
+                    dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows],
+                    scale=ctx.scale, mask=_causal_rows(rows, k.shape[2], q.device))
+                dq[:, :, rows] = gq
+                dk.add_(gk)
+                dv.add_(gv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
