@@ -325,7 +325,9 @@ def memory_per_gpu(model: ModelSpec, layout: Layout, tokens: int, in_flight: int
         in_flight = in_flight * (1 + (pp - 1) / (pp * layout.vp))
     w = model.workload()
     kv_local = model.kv_heads / tp * w.head_dim * cluster.bytes_per_element
-    if layout.cp_comm_type == "all_gather":
+    if layout.cp == 1:  # no CP, whatever cp_comm_type a recipe's config carries: no buffers
+        pass
+    elif layout.cp_comm_type == "all_gather":
         working += 2 * tokens * layout.cp * kv_local  # gathered K and V of one layer
     elif layout.cp_comm_type in ("p2p", "a2a+p2p"):
         working += 2 * 2 * tokens * kv_local  # K/V chunk in flight and the one being used

@@ -72,7 +72,9 @@ def heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tensor
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send, group)
     comm.release(send)
-    out = recv.view(a, s, b, hl, d).permute(2, 1, 0, 3, 4).reshape(b, s, a * hl, d)
+    # heads inside the rows whatever the sizes (a reshape could return a view of another
+    # order, e.g. with one head a rank, which megatron would copy into this one again)
+    out = recv.view(a, s, b, hl, d).permute(2, 1, 0, 3, 4).contiguous().view(b, s, a * hl, d)
     comm.release(recv, out)
     return out.transpose(1, 2)
 

@@ -113,6 +113,29 @@ def test_each_cp_function_saves_exactly_the_floor(world, fmt):
             assert got["all"] == got["floor"], (rank, case, got)
 
 
+def output_layouts(cases: tuple[MemoryCase, ...]) -> list[bool]:
+    """Per case on this rank: whether the returned output is contiguous in the model's
+    layout (bshd [b, s, h, d], thd [t, h, d])."""
+    cache: dict = {}
+    out = []
+    for case in cases:
+        group, position = _groups(case, cache)
+        (q, k, v, _), meta = _inputs(case, position, torch.device("cpu"))
+        result = context_parallel_attention(q, k, v, cp_comm_type=case.comm, cp_group=group,
+                                            qkv_format=case.fmt, **meta)
+        out.append(result.is_contiguous())
+    return out
+
+
+def test_the_output_is_in_the_models_layout(world):
+    """The output leaves contiguous in the model's layout - with one head a rank after the
+    a2a too (a view of another order there made megatron copy it, and keep both)."""
+    cases = tuple(_case(comm, fmt, heads=4, kv_heads=4, seq=256) for comm in COMMS
+                  for fmt in ("bshd", "thd"))
+    for rank, layouts in enumerate(world.run(output_layouts, cases)):
+        assert all(layouts), (rank, list(zip(cases, layouts)))
+
+
 def kept_with_a_late_peer(cases: tuple[MemoryCase, ...], late: int, delay_s: float
                           ) -> list[dict[str, int]]:
     """Per case on this rank: the bytes alive after the forward (inputs made inside and

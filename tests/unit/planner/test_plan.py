@@ -396,6 +396,21 @@ def test_memory_terms_by_hand():
         stage + 2 * (2 * 2048 / 2) * 1000 + act / 2 + working + 6 * 1000 * 1000 / 2))
 
 
+def test_no_cp_buffers_without_cp():
+    """A CP = 1 layout holds no K/V chunks in flight, whatever cp_comm_type its config carries
+    (a recipe's default "p2p"; the functional harness checks recipes this way): measured on a
+    training step (benchmarks/train_memory.py), CP 1 held none."""
+    mha = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=128)
+    cluster = Cluster(nodes=1, gpus_per_node=8)
+    plain = Layout.of(mha, Options(), tp=1, cp=1, pp=1, dp=4, seq_length=2048)
+    ring = Layout.of(mha, Options(), tp=1, cp=1, pp=1, dp=4, cp_comm_type="p2p",
+                     seq_length=2048)
+    assert ring.cp_comm_type == "p2p"
+    got = [memory_per_gpu(mha, lay, 2048, 1, "selective", Options(), cluster)["activations"]
+           for lay in (plain, ring)]
+    assert got[0] == got[1]
+
+
 def test_cli_plot_writes_png(tmp_path, capsys):
     path = tmp_path / "breakdown.png"
     rc = cli_main(["plan", *LLAMA_ARGS, "--seq-length", "131072", "--global-batch", "8",
