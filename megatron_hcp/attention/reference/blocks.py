@@ -298,18 +298,27 @@ def _spans(parts, start: str, size: str) -> torch.Tensor:
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
                  halves: tuple[str, str]
-                 ) -> tuple[torch.Tensor, torch.Tensor, Meta, Meta] | None:
+                 ) -> tuple[Selector, Selector, Meta, Meta] | None:
     """The rows and columns of a windowed block that see anything (token indices on the
-    layouts' device) and their metadata, or ``None`` when the window sees none of it: from
-    the block's bands (:func:`~.bands.block_bands`: per pair of runs, exactly the rows and
-    columns that see anything) - no [rows, cols] mask on the host - once per packing (every
-    layer and the backward reuse it; no device read per block)."""
+    layouts' device; every local token: a slice) and their metadata, or ``None`` when the
+    window sees none of it: from the block's bands (:func:`~.bands.block_bands`: per pair of
+    runs, exactly the rows and columns that see anything) - no [rows, cols] mask on the host
+    - once per packing (every layer and the backward reuse it; no device read per block)."""
     parts = block_bands(q_layout, kv_layout, halves[0], halves[1], causal, window)
     if not parts:
         return None
-    rows = _spans(parts, "row", "rows").to(q_layout.device)
-    cols = _spans(parts, "col", "cols").to(kv_layout.device)
+    rows = _whole_or(_spans(parts, "row", "rows"), q_layout)
+    cols = _whole_or(_spans(parts, "col", "cols"), kv_layout)
     return rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols)
+
+
+def _whole_or(index: torch.Tensor, layout: SeqLayout) -> Selector:
+    """Token indices (on the host) as a slice where they are every local token (a block then
+    takes its tensors whole, not gathered copies), else on the layout's device."""
+    n = layout.local_tokens
+    if int(index.numel()) == n and (n == 0 or int(index[-1]) == n - 1):
+        return slice(0, n)
+    return index.to(layout.device)
 
 
 @lru_cache(maxsize=128)
@@ -386,8 +395,9 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
             # mask stays the block's plan where the calls cannot run (a segment too large)
             bands, calls, pairs = _band_calls(q_layout, kv_layout, which_rows, which_cols,
                                               causal, window)
-            if worth_splitting(pairs, _launches(bands, calls, varlen), len(rows), len(cols),
-                               split_mode()):
+            if worth_splitting(pairs, _launches(bands, calls, varlen),
+                               _size(rows, q_layout.local_tokens),
+                               _size(cols, kv_layout.local_tokens), split_mode()):
                 return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
                              calls=calls)
     return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))
