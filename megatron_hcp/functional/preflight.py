@@ -85,7 +85,8 @@ def recipe_memory(recipe: Any) -> dict[str, float]:
     layout = Layout(topology, spec.virtual_pipeline_model_parallel_size or 1)
     options = Options(recompute="selective", distributed_optimizer=False)
     memory = memory_per_gpu(model, layout, per_rank, min(topology.pp, micro_batches),
-                            "selective", options, Cluster(bytes_per_element=4))
+                            "selective", options, Cluster(bytes_per_element=2))
+    # the planner counts 2-byte elements throughout (its K/V buffers too): fp32 is twice that
     memory["activations"] *= FP32_SCALE
     memory["logits"] *= FP32_SCALE
     memory["total"] = memory["weights_optimizer"] + memory["activations"] + memory["logits"]
