@@ -48,6 +48,7 @@ from ..patching.mla import MLA_DECENTRALIZED_PATCHES
 from ..patching.registry import Patch, PatchError, Target, apply, is_applied, revert
 from .config import cp_config_from_bridge, window_override
 from .dynamic_cp import cp_config_of, dynamic_cp_targets
+from .family_patches import BRIDGE_FAMILY_PATCHES
 from .mtp import BRIDGE_MTP_PATCHES
 
 __all__ = [
@@ -359,7 +360,7 @@ BRIDGE_LOOP_PATCHES: tuple[Patch, ...] = (
                 "its CP group in PackedSeqParams)",
                 "megatron/bridge/training/gpt_step.py:305-336 get_batch (cuts packed batches "
                 "for the static CP group), packed_seq_utils.get_packed_seq_params"),
-) + BRIDGE_MTP_PATCHES
+) + BRIDGE_MTP_PATCHES + BRIDGE_FAMILY_PATCHES
 
 
 # ---------------------------------------------------------------------------- install
@@ -384,12 +385,14 @@ def _hook_patches() -> tuple[Patch, ...]:
 def _core_patches() -> list[Patch]:
     """megatron-core patches Bridge's loop needs for megatron-hcp's CP: dynamic CP (RoPE, MTP
     and pipeline shapes per micro-batch), the decentralized path's TP-group fixes and MTP's
-    groups (``mtp-collection-groups``, megatron-core 0.19.2), and Transformer Engine's
-    attention honouring hcp and dynamic groups where TE imports."""
-    from ..patching import DECENTRALIZED_PATCHES, DYNAMIC_CP_PATCHES, by_name
+    groups (``mtp-collection-groups``, megatron-core 0.19.2), the local spec's expert biases
+    (``row-parallel-tp1-output``), and Transformer Engine's attention honouring hcp and dynamic
+    groups where TE imports."""
+    from ..patching import DECENTRALIZED_PATCHES, DYNAMIC_CP_PATCHES, LOCAL_SPEC_PATCHES, by_name
 
-    patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, "destroy-forgets-stale-groups",
-                       "rope-cp-partition-mode"])
+    patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, *LOCAL_SPEC_PATCHES,
+                       "destroy-forgets-stale-groups", "rope-cp-partition-mode",
+                       "moe-allgather-variable-tokens"])
     mtp = [p for p in MLA_DECENTRALIZED_PATCHES if p.supports()]  # megatron-core 0.19.2's MTP
     return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"]) + mtp
             if not p.missing_requirement()]

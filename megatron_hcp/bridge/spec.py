@@ -36,9 +36,11 @@ local spec is then built from the provider's config with the provider's own argu
 * a spec function taking ``use_transformer_engine`` (the ``partial(get_gpt_decoder_block_spec,
   use_transformer_engine=HAVE_TE)`` of the DeepSeek, GLM, ... bridges) -> that function with
   ``use_transformer_engine=False``;
-* anything else (a ``ModuleSpec``, Gemma 3's ``gemma3_layer_spec``, a hybrid stack spec, which
-  megatron has only with TE layers) -> called as Bridge calls it (such a spec builds only where
-  TE imports, with or without megatron-hcp).
+* anything else (a ``ModuleSpec``, Gemma 3's ``gemma3_layer_spec``) -> called as Bridge calls
+  it; where TE does not import, its TE modules become megatron's local twins
+  (:func:`~megatron_hcp.bridge.local_layers.te_spec_to_local`: Gemma 3 builds on a CPU);
+* a hybrid stack spec (Nemotron-H), which megatron has only with TE layers -> called as Bridge
+  calls it (it builds only where TE imports).
 
 Multi-token prediction: Bridge's ``provide`` builds the MTP block over this spec's last layer
 (the CP attention comes with it) with TE's modules always, which needs TE;
@@ -54,7 +56,9 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from ..attention.module import ReferenceCPAttention, core_attention_class
+from ..attention.te import have_te
 from ..layers.norm import map_spec, torch_norms_to_sp, uses_torch_norms
+from .local_layers import te_spec_to_local
 
 __all__ = ["LayerWindowCPAttention", "SpecError", "layer_spec", "layer_window",
            "mtp_block_spec", "own_spec", "use_cp_attention"]
@@ -200,7 +204,20 @@ def _local_spec(provider: Any, spec: Any, vp_stage: int | None) -> Any:
     if _takes_te_switch(spec):
         return _call_as_bridge(provider, functools.partial(spec, use_transformer_engine=False),
                                vp_stage, pp_rank=pp_rank)
-    return _call_as_bridge(provider, spec, vp_stage)
+    built = _call_as_bridge(provider, spec, vp_stage)
+    if have_te():
+        return built
+    # a spec written with TE's modules only (Gemma 3's): megatron's local twins of them
+    return te_spec_to_local(built, provider, vp_stage=vp_stage, pp_rank=pp_rank,
+                            module_names=_defined_in(spec))
+
+
+def _defined_in(spec: Any) -> tuple[str, ...]:
+    """The module a spec function (under any ``functools.partial``) was written in."""
+    while isinstance(spec, functools.partial):
+        spec = spec.func
+    module = getattr(spec, "__module__", None)
+    return (module,) if isinstance(module, str) else ()
 
 
 # ------------------------------------------------------------------- the swap

@@ -25,19 +25,42 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "map_spec", "torch_norms_to_sp", "uses_torch_norms",
-           "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "ZeroCenteredGammaNorm", "map_spec",
+           "torch_norms_to_sp", "uses_torch_norms", "with_sequence_parallel_norms"]
 
 _NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
 
+class ZeroCenteredGammaNorm(torch.nn.Module):
+    """LayerNorm / RMSNorm whose weight is stored centred on zero and applied as ``1 + weight``
+    (megatron's ``layernorm_zero_centered_gamma``, TE's ``zero_centered_gamma``: Gemma's norms).
+    The weight starts at zero (a norm of gain one), the bias (LayerNorm) at zero."""
+
+    def __init__(self, normalization: str, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.normalization, self.eps = normalization, eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = (torch.nn.Parameter(torch.zeros(hidden_size))
+                     if normalization == "LayerNorm" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = self.weight + 1
+        shape = (self.weight.shape[0],)
+        if self.normalization == "LayerNorm":
+            return torch.nn.functional.layer_norm(x, shape, gain, self.bias, self.eps)
+        return torch.nn.functional.rms_norm(x, shape, gain, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalization}, {self.weight.shape[0]}, eps={self.eps}, gain=1+weight"
+
+
 class SequenceParallelTorchNorm:
-    """Builds ``torch.nn.LayerNorm`` / ``RMSNorm`` (``config.normalization``) whose parameters
+    """Builds ``torch.nn.LayerNorm`` / ``RMSNorm`` (``config.normalization``), or
+    :class:`ZeroCenteredGammaNorm` under ``layernorm_zero_centered_gamma``, whose parameters
     carry ``sequence_parallel = config.sequence_parallel`` (megatron's norm signature)."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
-        for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
-                     "memory_efficient_layer_norm"):
+        for name in ("persist_layer_norm", "memory_efficient_layer_norm"):
             if getattr(config, name, False):
                 raise ValueError(f"{name}=True is not supported by the torch norm of the local "
                                  f"spec; set {name}=False")
@@ -45,7 +68,10 @@ class SequenceParallelTorchNorm:
         if norm_cls is None:
             raise ValueError(f"normalization={config.normalization!r}: the local spec's torch "
                              f"norm supports {', '.join(_NORMS)}")
-        norm = norm_cls(hidden_size, eps=eps)
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            norm = ZeroCenteredGammaNorm(config.normalization, hidden_size, eps)
+        else:
+            norm = norm_cls(hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm

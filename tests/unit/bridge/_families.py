@@ -1,9 +1,11 @@
 """Tiny Hugging Face configs of real model families, and Bridge's recipes of them made CPU runs.
 
-* :func:`write_tiny_config`: a ``transformers`` config of Qwen3-MoE, Qwen3 or Llama 3 shrunk to
-  a few layers, saved with ``save_pretrained`` (what a user's local config directory holds);
-  :data:`RECIPES` names Bridge's recipe function of each family, which
+* :func:`write_tiny_config`: a ``transformers`` config of Qwen3-MoE, Qwen3, Llama 3, gpt-oss or
+  Gemma 3 shrunk to a few layers, saved with ``save_pretrained`` (a user's local config
+  directory); :data:`RECIPES` names Bridge's recipe function of each family, which
   :func:`megatron_hcp.bridge.offline.recipe_from_hf_config` runs from that directory.
+* :func:`tiny_direct_recipe`: a family whose recipe builds its provider itself (Gemma 3's) run
+  as it is, its model shrunk.
 * :func:`cpu_fp32`: a recipe's ``ConfigContainer`` made a CPU run that CP layouts compare to
   the last bit (fp32, no fused or Transformer Engine kernels, no recompute; mock data; the
   optimizer, scheduler and DDP of the project's tiny recipes), the provider's own spec kept
@@ -16,13 +18,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "cpu_fp32", "write_tiny_config"]
+__all__ = ["DIRECT_RECIPES", "RECIPES", "cpu_fp32", "tiny_direct_recipe", "write_tiny_config"]
 
 _QWEN = "megatron.bridge.recipes.qwen.h100"
 RECIPES = {  # family -> Bridge's pre-training recipe function of it
     "qwen3_moe": f"{_QWEN}.qwen3_moe:qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config",
     "qwen3": f"{_QWEN}.qwen3:qwen3_600m_pretrain_1gpu_h100_bf16_config",
     "llama3": "megatron.bridge.recipes.llama.h100.llama3:llama3_8b_pretrain_2gpu_h100_bf16_config",
+    "gpt_oss": "megatron.bridge.recipes.gpt_oss.h100.gpt_oss:"
+               "gpt_oss_20b_pretrain_16gpu_h100_bf16_config",
+}
+# families whose Bridge recipe builds its provider itself (no Hugging Face config to read):
+# the recipe function, and the sizes that shrink its model
+DIRECT_RECIPES = {
+    "gemma3": ("megatron.bridge.recipes.gemma.h100.gemma3:gemma3_1b_pretrain_1gpu_h100_bf16_config",
+               {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
+                "num_query_groups": 2, "kv_channels": 16, "ffn_hidden_size": 128,
+                "window_size": 32, "vocab_size": 256}),
 }
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -31,7 +43,13 @@ _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
 
 
 def _config(family: str, fields: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**{**_COMMON, "head_dim": 16, "moe_intermediate_size": 32,
@@ -42,6 +60,15 @@ def _config(family: str, fields: dict[str, Any]) -> Any:
                               "architectures": ["Qwen3ForCausalLM"], **fields})
     if family == "llama3":
         return LlamaConfig(**{**_COMMON, "architectures": ["LlamaForCausalLM"], **fields})
+    if family == "gpt_oss":  # sinks, a 32-token window every 2nd layer, 8 experts of 32, top-2
+        return GptOssConfig(**{**_COMMON, "head_dim": 16, "intermediate_size": 32,
+                               "num_local_experts": 8,
+                               "num_experts_per_tok": 2, "sliding_window": 32,
+                               "architectures": ["GptOssForCausalLM"], **fields})
+    if family == "gemma3":  # 6 layers: 5 with a 32-token window, then a global one
+        return Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 6, "head_dim": 16,
+                                   "sliding_window": 32, "architectures": ["Gemma3ForCausalLM"],
+                                   **fields})
     raise ValueError(f"family={family!r}: one of {', '.join(RECIPES)}")
 
 
@@ -51,6 +78,21 @@ def write_tiny_config(family: str, directory: Path, **fields: Any) -> Path:
     directory = Path(directory)
     _config(family, fields).save_pretrained(str(directory))
     return directory
+
+
+def tiny_direct_recipe(family: str, **fields: Any) -> Any:
+    """Bridge's own recipe of ``family`` (:data:`DIRECT_RECIPES`) called as it is, its model
+    shrunk to the tiny sizes (``fields`` on top): Gemma 3's 1B recipe with 6 layers - 5 with a
+    32-token window, then a global one - hidden 64, 4 heads / 2 KV heads of 16, vocabulary 256,
+    the recipe's zero-centred norms, q/k norms, post-norms, softmax scale and two RoPE bases."""
+    import importlib
+
+    path, sizes = DIRECT_RECIPES[family]
+    module, _, name = path.rpartition(":")
+    cfg = getattr(importlib.import_module(module), name)()
+    for field, value in {**sizes, **fields}.items():
+        setattr(cfg.model, field, value)
+    return cfg
 
 
 def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,

@@ -8,13 +8,14 @@ windows on every other layer, MoE), Nemotron-H (Mamba hybrid). The reference is 
 builds for the same provider on this machine without megatron-hcp: Transformer Engine is absent,
 Bridge's TE spec functions cannot build a layer here, so for the providers on Bridge's default
 spec the reference is Bridge's own ``local_layer_spec``, for a family spec function taking
-``use_transformer_engine`` (DeepSeek) that function with it False, and for spec functions that
-exist only with TE layers (Gemma 3's, megatron's hybrid stack) the provider's spec as Bridge
-resolves it. The two spec trees are compared node by node (module classes, params, every
-submodule, builders' keywords); the only differences allowed are the core attention (the
-project's CP attention) and, under sequence parallelism, megatron's ``WrappedTorchNorm`` ->
-``SequenceParallelTorchNorm``. A planted difference (the old spec, which passed only MLA on)
-fails the comparison.
+``use_transformer_engine`` (DeepSeek) that function with it False, for Gemma 3's spec (TE
+modules only) its local twins (``megatron_hcp.bridge.local_layers``; the translation is checked
+module by module against Bridge's TE spec), and for megatron's hybrid stack (TE layers only) the
+provider's spec as Bridge resolves it. The two spec trees are compared node by node (module
+classes, params, every submodule, builders' keywords); the only differences allowed are the
+core attention (the project's CP attention) and, under sequence parallelism, megatron's
+``WrappedTorchNorm`` -> ``SequenceParallelTorchNorm``. A planted difference (the old spec, which
+passed only MLA on) fails the comparison.
 
 The Bridge-free part (spec-tree walk, SP norms, per-layer windows, the local build from a
 spec function) also runs on the py311 leg against megatron-core 0.16.1.
@@ -399,13 +400,23 @@ def _own_as_is(provider: Any) -> Any:
     return provider.transformer_layer_spec(provider)
 
 
+def _own_local(provider: Any) -> Any:
+    """A TE-only spec (Gemma 3's) as its local twins: what builds without TE (the translation
+    itself is checked module by module in test_te_only_spec_becomes_its_local_twins)."""
+    from megatron_hcp.bridge.local_layers import te_spec_to_local
+
+    spec = provider.transformer_layer_spec
+    return te_spec_to_local(_own_as_is(provider), provider, vp_stage=None, pp_rank=0,
+                            module_names=(spec.__module__,))
+
+
 # family: (provider, reference, own spec expected of the provider)
 FAMILIES = {
     "llama3": (_llama3, _bridge_local, "default_layer_spec"),
     "qwen3": (_qwen3, _bridge_local, "default_layer_spec"),
     "qwen3_moe": (_qwen3_moe, _bridge_local, "default_layer_spec"),
     "deepseek_v3": (_deepseek_v3, _own_without_te, "get_gpt_decoder_block_spec"),
-    "gemma3": (_gemma3, _own_as_is, "gemma3_layer_spec"),
+    "gemma3": (_gemma3, _own_local, "gemma3_layer_spec"),
     "gpt_oss": (_gpt_oss, _bridge_local, "default_layer_spec"),
 }
 
@@ -545,6 +556,55 @@ def test_window_attention_builds_each_layers_window(bridge):
                for n in range(1, len(want) + 1)]
         assert got == want
         assert provider.window_size in (32, (31, 0))  # the provider's config is not changed
+
+
+@needs_bridge
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_te_only_spec_becomes_its_local_twins(bridge, sp):
+    """Gemma 3's spec, written with Transformer Engine's modules only, without TE: every TE
+    module of every layer becomes its local twin (a fused norm becomes the layer's own norm
+    before a column-parallel linear), the block's final norm the zero-centred torch norm, the
+    core attention the CP attention; nothing else differs (Gemma 3's self-attention, MLP,
+    bias-dropout-adds). A TE module with no twin is refused by name."""
+    import sys
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_hcp.bridge.local_layers import RowParallelLinearPostNorm, te_spec_to_local
+
+    provider = _gemma3()
+    provider.sequence_parallel = sp
+    gemma = sys.modules["megatron.bridge.models.gemma.gemma3_provider"]
+    te = _as_block(provider, _own_as_is(provider))
+    ours = _as_block(provider, _hcp(provider, "assigned"))
+    fused, post = gemma.TELayerNormColumnParallelLinear, gemma.TERowParallelLinearLayerNorm
+    attention = "self_attention.submodules"
+    twins = {"input_layernorm": (IdentityOp, SequenceParallelTorchNorm),
+             f"{attention}.linear_qkv": (fused, ColumnParallelLinear),
+             f"{attention}.core_attention": (gemma.Gemma3TEDotProductAttention,
+                                             hcp_spec.LayerWindowCPAttention),
+             f"{attention}.q_layernorm": (gemma.TENorm, SequenceParallelTorchNorm),
+             f"{attention}.k_layernorm": (gemma.TENorm, SequenceParallelTorchNorm),
+             f"{attention}.linear_proj": (post, RowParallelLinearPostNorm),
+             "pre_mlp_layernorm": (IdentityOp, SequenceParallelTorchNorm),
+             "mlp.submodules.linear_fc1": (fused, ColumnParallelLinear),
+             "mlp.submodules.linear_fc2": (post, RowParallelLinearPostNorm)}
+    want = {f"spec.layer_specs[{i}].submodules.{slot}": pair
+            for i in range(len(te.layer_specs)) for slot, pair in twins.items()}
+    want["spec.layer_norm"] = (te.layer_norm, SequenceParallelTorchNorm)
+    found: list = []
+    _walk(te, ours, "spec", found)
+    assert {path: (a, b) for path, a, b in found} == want
+    assert len(te.layer_specs) == 6
+    # a TE module the translation has no twin for (a norm-fused linear as an output projection)
+    planted = gemma.gemma3_layer_spec(provider)  # a new tree at each call
+    planted.submodules.self_attention.submodules.linear_proj = fused
+    with pytest.raises(hcp_spec.SpecError, match="linear_proj"):
+        te_spec_to_local(planted, provider, vp_stage=None, pp_rank=0,
+                         module_names=(gemma.__name__,))
+    assert isinstance(planted, ModuleSpec)
 
 
 @needs_bridge
