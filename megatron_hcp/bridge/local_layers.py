@@ -27,6 +27,8 @@ Bridge's own weight mappings, not as it is.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import sys
 from typing import Any
 
@@ -112,7 +114,8 @@ def _split_fused_norms(layer: Any, kinds: dict[int, str]) -> Any:
     for block_name, slot, norm_name in (("self_attention", "linear_qkv", "input_layernorm"),
                                         ("mlp", "linear_fc1", "pre_mlp_layernorm")):
         block = getattr(layer, block_name, None)
-        sub = getattr(block, "submodules", None)
+        builder = isinstance(block, functools.partial)  # megatron 0.19's MLP.as_mlp_submodule
+        sub = block.keywords.get("submodules") if builder else getattr(block, "submodules", None)
         if sub is None or kinds.get(id(getattr(sub, slot, None))) != "norm_column":
             continue
         if getattr(layer, norm_name) is not IdentityOp:
@@ -120,23 +123,37 @@ def _split_fused_norms(layer: Any, kinds: dict[int, str]) -> Any:
 
             raise SpecError(f"{block_name}.submodules.{slot}: a norm-fused linear after "
                             f"{norm_name}={getattr(layer, norm_name)!r} would normalise twice")
-        block, sub = copy.copy(block), copy.copy(sub)
+        sub = copy.copy(sub)
         setattr(sub, slot, _local("column"))
-        block.submodules = sub
+        if builder:
+            block = functools.partial(block.func, *block.args,
+                                      **{**block.keywords, "submodules": sub})
+        else:
+            block = copy.copy(block)
+            block.submodules = sub
         setattr(layer, block_name, block)
         setattr(layer, norm_name, SequenceParallelTorchNorm)
     return layer
 
 
-def te_spec_to_local(spec: Any, config: Any, *, vp_stage: int | None, pp_rank: int | None,
-                     module_names: tuple[str, ...] = ()) -> Any:
-    """``spec`` (a layer ``ModuleSpec`` or a block spec) with every Transformer Engine module
-    replaced by its megatron local equivalent (module docstring), as a block spec of this
-    pipeline stage. ``module_names``: the modules the spec function was written in (where its TE
-    names were imported). A TE module without a local equivalent raises ``SpecError``."""
+def _te_names(module_names: tuple[str, ...]) -> dict[int, str]:
+    """``id(object) -> name`` of every ``TE*`` name bound in the TE homes and ``module_names``:
+    what must not be left in a spec built without TE."""
+    found: dict[int, str] = {}
+    for home in (*_TE_HOMES, *module_names):
+        module = sys.modules.get(home)
+        for name in dir(module) if module is not None else ():
+            value = getattr(module, name)
+            if name.startswith("TE") and value is not None and callable(value):
+                found[id(value)] = name
+    return found
+
+
+def _translate(node: Any, kinds: dict[int, str], te_names: dict[int, str]) -> Any:
+    """``node`` (a block spec, or one layer's ``ModuleSpec``) with its transformer layers' fused
+    norms split and every TE module replaced by its twin; a TE module left (outside the core
+    attention, which :mod:`.spec` swaps) raises ``SpecError`` naming it."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import _get_block_submodules
     from megatron.core.transformer.transformer_layer import (
         BaseTransformerLayer,
         TransformerLayerSubmodules,
@@ -144,29 +161,75 @@ def te_spec_to_local(spec: Any, config: Any, *, vp_stage: int | None, pp_rank: i
 
     from .spec import SpecError
 
-    kinds = te_modules(*module_names)
+    def layer(spec: Any) -> Any:
+        if (isinstance(spec, ModuleSpec) and isinstance(spec.module, type)
+                and issubclass(spec.module, BaseTransformerLayer)
+                and isinstance(spec.submodules, TransformerLayerSubmodules)):
+            spec = copy.copy(spec)
+            spec.submodules = _split_fused_norms(spec.submodules, kinds)
+        return spec
 
-    def split(node: Any) -> Any:
-        if (isinstance(node, ModuleSpec) and isinstance(node.module, type)
-                and issubclass(node.module, BaseTransformerLayer)
-                and isinstance(node.submodules, TransformerLayerSubmodules)):
-            node = copy.copy(node)
-            node.submodules = _split_fused_norms(node.submodules, kinds)
-        return node
-
-    block = copy.copy(_get_block_submodules(config, spec, vp_stage, pp_rank))
-    block.layer_specs = [split(layer) for layer in block.layer_specs]
-    if block.layer_norm is WrappedTorchNorm:  # megatron's LayerNormImpl without apex
-        block.layer_norm = SequenceParallelTorchNorm
+    if isinstance(node, ModuleSpec):
+        node = layer(node)
+    else:
+        node = copy.copy(node)
+        node.layer_specs = [layer(spec) for spec in node.layer_specs]
 
     def replace(path: tuple[str, ...], value: Any) -> Any:
         kind = kinds.get(id(value))
-        if kind is None:
-            return value
         if kind == "norm_column":
             raise SpecError(f"{'.'.join(path)}: Transformer Engine's norm-fused linear outside "
                             "a layer's QKV / FC1 has no local equivalent here; this spec "
                             "builds only where Transformer Engine imports")
-        return _local(kind)
+        if kind is not None:
+            return _local(kind)
+        if id(value) in te_names and (not path or path[-1] != "core_attention"):
+            raise SpecError(f"{'.'.join(path)}={te_names[id(value)]}: a Transformer Engine "
+                            "module with no local equivalent here; this spec builds only where "
+                            "Transformer Engine imports")
+        return value
 
-    return map_spec(block, replace)
+    return map_spec(node, replace)
+
+
+def te_spec_to_local(spec: Any, config: Any, *, vp_stage: int | None, pp_rank: int | None,
+                     module_names: tuple[str, ...] = ()) -> Any:
+    """``spec`` with every Transformer Engine module replaced by its megatron local equivalent
+    (module docstring). A layer ``ModuleSpec`` or a block spec becomes this pipeline stage's
+    block spec, a TE module without a twin raising ``SpecError``. A hybrid stack spec
+    (megatron's ``HybridStack``: Nemotron-H) keeps its kinds of layer: those whose TE modules all
+    have twins (attention, MLP) are translated, the others (Mamba, whose mixer needs mamba_ssm's
+    kernels; GDN, MLA, DSA, MoE) are left as they are and build only where TE imports.
+    ``module_names``: the modules the spec function was written in (where its TE names were
+    imported)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import _get_block_submodules
+
+    from .spec import SpecError
+
+    kinds, te_names = te_modules(*module_names), _te_names(module_names)
+    if isinstance(spec, ModuleSpec) and _is_hybrid_stack(spec.module):
+        spec = copy.copy(spec)
+        spec.submodules = copy.copy(spec.submodules)
+        for field in dataclasses.fields(spec.submodules):
+            layer = getattr(spec.submodules, field.name)
+            if not isinstance(layer, ModuleSpec):
+                continue
+            try:
+                setattr(spec.submodules, field.name, _translate(layer, kinds, te_names))
+            except SpecError:
+                continue  # this kind of layer keeps its TE modules (docstring)
+        return spec
+    block = copy.copy(_get_block_submodules(config, spec, vp_stage, pp_rank))
+    if block.layer_norm is WrappedTorchNorm:  # megatron's LayerNormImpl without apex
+        block.layer_norm = SequenceParallelTorchNorm
+    return _translate(block, kinds, te_names)
+
+
+def _is_hybrid_stack(module: Any) -> bool:
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack
+    except ImportError:  # megatron-core before the hybrid model (0.16: MambaStack)
+        return False
+    return isinstance(module, type) and issubclass(module, HybridStack)

@@ -40,7 +40,9 @@ local spec is then built from the provider's config with the provider's own argu
   it; where TE does not import, its TE modules become megatron's local twins
   (:func:`~megatron_hcp.bridge.local_layers.te_spec_to_local`: Gemma 3 builds on a CPU);
 * a hybrid stack spec (Nemotron-H), which megatron has only with TE layers -> called as Bridge
-  calls it (it builds only where TE imports).
+  calls it; where TE does not import, its attention and MLP layers get their local twins (the
+  other kinds - Mamba, whose mixer needs mamba_ssm's kernels, GDN, MLA, DSA, MoE - keep TE's
+  modules and build only where TE imports).
 
 Multi-token prediction: Bridge's ``provide`` builds the MTP block over this spec's last layer
 (the CP attention comes with it) with TE's modules always, which needs TE;
@@ -191,8 +193,10 @@ def _pp_rank(provider: Any) -> int | None:
 
 def _local_spec(provider: Any, spec: Any, vp_stage: int | None) -> Any:
     """The provider's own spec with megatron's local (non-TE) modules."""
-    if _hybrid(provider):
-        return _call_as_bridge(provider, spec, vp_stage)  # megatron has it with TE layers only
+    if _hybrid(provider):  # megatron has it with TE layers only: its attention / MLP layers'
+        built = _call_as_bridge(provider, spec, vp_stage)  # local twins where TE is absent
+        return built if have_te() else te_spec_to_local(
+            built, provider, vp_stage=vp_stage, pp_rank=None, module_names=_defined_in(spec))
     pp_rank = _pp_rank(provider)
     if _bridge_default(spec):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

@@ -629,8 +629,15 @@ def test_deepseek_v3_mtp_block(bridge, sp):
 @pytest.mark.parametrize("how", ["assigned", "kept"])
 def test_nemotron_h_hybrid_stack(bridge, how):
     """Nemotron-H (Bridge's HybridModelProvider): Bridge's own stack spec (megatron has it with
-    TE layers only, placeholders here) with Mamba, GDN, MLP / MoE layers and MTP kept; the
-    attention layers' core attention swapped."""
+    TE layers only, placeholders here) with Mamba, GDN, MLA, MLP / MoE layers and MTP kept; the
+    attention layers' core attention swapped. Without TE the kinds of layer whose TE modules
+    all have local twins (attention, MLP, MoE, MTP) get them - module by module, as Gemma 3's -
+    and the others (Mamba: mamba_ssm's kernels; GDN, MLA, DSA) keep TE's modules."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_hcp.bridge.local_layers import te_spec_to_local
+
     provider = _nemotron_h()
     assert provider.hybrid_stack_spec is None and provider.hybrid_layer_pattern == "M*M-"
     ref = provider._resolve_hybrid_stack_spec()  # Bridge's own resolution
@@ -639,9 +646,23 @@ def test_nemotron_h_hybrid_stack(bridge, how):
     else:
         hcp_spec.use_cp_attention(provider)
     ours = provider._resolve_hybrid_stack_spec()
-    assert_only_attention_swapped(ref, ours)
+    local = te_spec_to_local(ref, provider, vp_stage=None, pp_rank=0)
+    assert_only_attention_swapped(local, ours)
+    found: list = []
+    _walk(ref, ours, "spec", found)
+    twins = {ColumnParallelLinear, RowParallelLinear, SequenceParallelTorchNorm}
+    changed = {path.split(".")[2] for path, a, b in found
+               if not path.endswith("core_attention")}
+    assert changed == {"attention_layer", "mlp_layer", "moe_layer", "mtp_block_spec"}
+    for path, a, b in found:
+        if path.endswith("core_attention"):
+            assert b is ReferenceCPAttention, path
+        elif a is IdentityOp:  # a fused norm split out into the layer
+            assert b is SequenceParallelTorchNorm and path.endswith("layernorm"), path
+        else:
+            assert b in twins and type(a).__name__ in ("MagicMock", "type"), (path, a, b)
     sub = ours.submodules
-    assert _name(sub.mamba_layer.module) == "MambaLayer"
+    # the Mamba layer is not among the changed ones: its mixer keeps TE's modules (mamba_ssm)
     assert _name(sub.mamba_layer.submodules.mixer.module) == "MambaMixer"
     assert _attention(sub.attention_layer).submodules.core_attention is ReferenceCPAttention
     assert _attention(sub.mla_layer).submodules.core_attention is ReferenceCPAttention
