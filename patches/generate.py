@@ -806,6 +806,38 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
          "                ):\n"
          + _indented(_MTP_LOSS_CALL)),
     ],
+    "yarn-rope-model-cp-group": [(
+        "megatron/core/models/gpt/gpt_model.py",
+        "                use_cpu_initialization=self.config.use_cpu_initialization,\n"
+        "            )\n"
+        "        elif self.position_embedding_type == 'mrope'",
+        "                use_cpu_initialization=self.config.use_cpu_initialization,\n"
+        "                # megatron-hcp yarn-rope-model-cp-group: the table is cut for the model's\n"
+        "                # own CP group (as plain RoPE's), not megatron's global one\n"
+        "                cp_group=self.pg_collection.cp,\n"
+        "            )\n"
+        "        elif self.position_embedding_type == 'mrope'")],
+    # before the module's first definitions (every call in it looks the name up at run time):
+    # the end of layers.py is cpu-sequence-parallel's, whose diff must apply on its own
+    "row-parallel-tp1-output": [(
+        "megatron/core/tensor_parallel/layers.py",
+        "    HAVE_TE = False\n\n_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {\n",
+        """    HAVE_TE = False
+
+# megatron-hcp row-parallel-tp1-output: over a group of one rank the input itself (upstream's
+# identity autograd Function returns it as is, which autograd marks a view that must not be
+# modified in place: the expert MLP adds its bias to its output in place)
+_upstream_reduce_from_tensor_model_parallel_region = reduce_from_tensor_model_parallel_region
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    if group is not None and group.size() == 1:
+        return input_
+    return _upstream_reduce_from_tensor_model_parallel_region(input_, group)
+
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+""")],
     "pg-collection-repr": [(
         "megatron/core/process_groups_config.py",
         "                if pg is not None:\n"
@@ -873,8 +905,50 @@ def _mamba_edits_0192() -> list:
     return [(path, old, new), append]
 
 
+_HYBRID_FINAL_NORM = '''
+
+# megatron-hcp hybrid-final-norm-without-te: without Transformer Engine the stack's final norm
+# is torch's (LayerNorm / RMSNorm as configured, a zero-centred gain 1 + w under
+# layernorm_zero_centered_gamma, the sequence-parallel mark TE's norm carries), not TE's
+from megatron.core.extensions.transformer_engine import HAVE_TE as _TE_PRESENT  # noqa: E402
+
+if not _TE_PRESENT:
+
+    class _ZeroCenteredGammaNorm(torch.nn.Module):
+        def __init__(self, normalization, hidden_size, eps):
+            super().__init__()
+            self.normalization, self.eps = normalization, eps
+            self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+            self.bias = (torch.nn.Parameter(torch.zeros(hidden_size))
+                         if normalization == "LayerNorm" else None)
+
+        def forward(self, x):
+            shape = (self.weight.shape[0],)
+            if self.normalization == "LayerNorm":
+                return torch.nn.functional.layer_norm(x, shape, self.weight + 1, self.bias,
+                                                      self.eps)
+            return torch.nn.functional.rms_norm(x, shape, self.weight + 1, self.eps)
+
+    def TENorm(config, hidden_size, eps=1e-5, **_):  # noqa: N802 - the name it stands for
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.layernorm_zero_centered_gamma:
+            norm = _ZeroCenteredGammaNorm(config.normalization, hidden_size, eps)
+        else:
+            norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+'''
+
+
 VERSION_EDITS: dict[str, dict[str, list]] = {
+    "0.16.1": {
+        "hybrid-final-norm-without-te": [_append("megatron/core/ssm/mamba_block.py",
+                                                 _HYBRID_FINAL_NORM)],
+    },
     "0.19.2": {
+        "hybrid-final-norm-without-te": [_append("megatron/core/models/hybrid/hybrid_block.py",
+                                                 _HYBRID_FINAL_NORM)],
         "attention-dynamic-cp-rope": _rope_edits_0192(),
         "mtp-dynamic-cp-group": _mtp_edits_0192(),
         "mamba-dynamic-cp-group": _mamba_edits_0192(),

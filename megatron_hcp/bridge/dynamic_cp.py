@@ -149,6 +149,16 @@ def _check_dynamic_loop(model: Any, topology: Topology) -> None:
             "lengths between the stages",
             "set model.variable_seq_lengths=True (megatron-core also wants "
             "model.moe_token_dispatcher_type=alltoall with it)"))
+    if config.cp_partition_mode != "zigzag" and getattr(model, "mtp_num_layers", None):
+        problems.append(Violation(
+            "model.cp_partition_mode", config.cp_partition_mode,
+            f"multi-token prediction (model.mtp_num_layers={model.mtp_num_layers}) rolls its "
+            "inputs and labels across the micro-batch's CP group as megatron-core cuts "
+            "sequences (roll_tensor of packed sequences: each rank's front and mirrored tail "
+            "chunk); in the contiguous layout the tokens rolled over a slice boundary come from "
+            "the wrong rank (measured: DeepSeek-V3 with one MTP layer off CP=1 by 2.4e-5 in "
+            "loss by step 3)",
+            "use model.cp_partition_mode=zigzag with MTP (or train without MTP)"))
     n, cap, longest = topology.dp_cp, config.max_seqlen_per_dp_cp_rank, config.seq_length
     tp = topology.tp if getattr(model, "sequence_parallel", False) else 1
     if longest and cap and padded_length(longest, n, tp) // n > cap:

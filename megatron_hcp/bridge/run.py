@@ -35,6 +35,7 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     import megatron.core.extensions.transformer_engine  # noqa: F401
 
     from ..patching import apply, apply_cpu_runtime
+    from ..patching.hybrid import HYBRID_PATCHES
     from ..patching.mla import apply_mla_cpu_runtime
     from . import import_shims
     from .cpu_runtime import BRIDGE_RUNTIME_PATCHES, apply_bridge_cpu_runtime
@@ -46,7 +47,8 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     if cpu:
-        done += apply_cpu_runtime(training=True) + apply_mla_cpu_runtime()
+        done += (apply_cpu_runtime(training=True) + apply_mla_cpu_runtime()
+                 + apply(p for p in HYBRID_PATCHES if p.supports()))
     for module in _BRIDGE_LOOP:
         importlib.import_module(module)
     done += apply(BRIDGE_RUNTIME_PATCHES)  # on every device (the wheel's dataset helpers)

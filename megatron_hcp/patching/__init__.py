@@ -8,8 +8,11 @@ from .cpu_runtime import (
     apply_cpu_runtime,
     revert_cpu_runtime,
 )
+from .hybrid import HYBRID_PATCHES
 from .integration import INTEGRATION_PATCHES
 from .mla import MLA_CPU_RUNTIME_PATCHES, MLA_DECENTRALIZED_PATCHES
+from .mla_dynamic_cp import MLA_DYNAMIC_CP_PATCHES
+from .moe_dispatch import MOE_DISPATCH_PATCHES
 from .registry import Patch, PatchError, apply, is_applied, megatron_core_version, revert
 
 __all__ = [
@@ -18,6 +21,7 @@ __all__ = [
     "DECENTRALIZED_PATCHES",
     "DYNAMIC_CP_PATCHES",
     "INTEGRATION_PATCHES",
+    "LOCAL_SPEC_PATCHES",
     "MLA_CPU_RUNTIME_PATCHES",
     "MLA_DECENTRALIZED_PATCHES",
     "TRAINING_CPU_RUNTIME_PATCHES",
@@ -36,7 +40,8 @@ __all__ = [
 
 ALL_PATCHES: tuple[Patch, ...] = (INTEGRATION_PATCHES + CPU_RUNTIME_PATCHES
                                   + TRAINING_CPU_RUNTIME_PATCHES + MLA_CPU_RUNTIME_PATCHES
-                                  + MLA_DECENTRALIZED_PATCHES)
+                                  + MLA_DECENTRALIZED_PATCHES + MOE_DISPATCH_PATCHES
+                                  + HYBRID_PATCHES + MLA_DYNAMIC_CP_PATCHES)
 
 
 def by_name(names: list[str] | None = None) -> list[Patch]:
@@ -59,13 +64,21 @@ DYNAMIC_CP_PATCHES: tuple[str, ...] = ("attention-dynamic-cp-rope", "p2p-variabl
 # what megatron-core's training path needs without MPU globals (decentralized process groups)
 DECENTRALIZED_PATCHES: tuple[str, ...] = ("cross-entropy-model-tp-group",
                                           "chained-optimizer-count-zeros-tp-group",
-                                          "moe-metrics-collection-dp")
+                                          "moe-metrics-collection-dp",
+                                          "yarn-rope-model-cp-group")
+
+# what megatron-core's local (non-TE) layers need for the models megatron-hcp trains on them
+# (expert MLPs with biases, e.g. gpt-oss, with TP=1)
+LOCAL_SPEC_PATCHES: tuple[str, ...] = ("row-parallel-tp1-output",)
 
 
 def apply_dynamic_cp() -> None:
-    """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent), and ``mamba-dynamic-cp-group`` where
+    """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent), ``moe-allgather-variable-tokens`` (MoE's
+    all-gather dispatcher with expert-parallel ranks of different token counts),
+    ``mla-dynamic-cp-group`` (multi-latent attention), and ``mamba-dynamic-cp-group`` where
     Mamba's kernels are installed."""
-    apply(by_name(list(DYNAMIC_CP_PATCHES)))
+    apply(by_name([*DYNAMIC_CP_PATCHES, "moe-allgather-variable-tokens",
+                   "mla-dynamic-cp-group"]))
     mamba = by_name(["mamba-dynamic-cp-group"])
     if not mamba[0].missing_requirement():
         apply(mamba)

@@ -58,7 +58,8 @@ SERIES: tuple[str, ...] = (
     "pg-collection-repr", "cpu-sequence-parallel", "mla-without-te", "cpu-timers",
     "cpu-dist-checkpointing", "cpu-ddp-wrap", "cpu-moe-router-device",
     "moe-router-gating-without-te", "cpu-moe-alltoall-dispatcher", "moe-metrics-collection-dp",
-    "cpu-yarn-rope-device", "mtp-collection-groups", "mla-tp-group",
+    "cpu-yarn-rope-device", "mtp-collection-groups", "mla-tp-group", "yarn-rope-model-cp-group",
+    "row-parallel-tp1-output", "hybrid-final-norm-without-te",
 )
 
 

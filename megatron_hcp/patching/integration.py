@@ -320,6 +320,37 @@ def _make_count_zeros(original):
     return count_zeros
 
 
+def _make_preprocess(original):
+    @functools.wraps(original)
+    def _preprocess(self, *args, **kwargs):
+        """Upstream's, with the model's RoPE table cut for the model's own CP group: GPTModel
+        builds YaRN's RoPE without ``cp_group``, which then falls back to megatron's global CP
+        group (none on the decentralized path: the table is not cut and a CP rank's tokens meet
+        the whole sequence's positions)."""
+        rope = getattr(self, "rotary_pos_emb", None)
+        group = getattr(getattr(self, "pg_collection", None), "cp", None)
+        if (self.position_embedding_type == "yarn" and rope is not None and group is not None
+                and rope.cp_group is not group):
+            rope.cp_group = group
+            rope.forward.cache_clear()  # tables cut for the fallback group are stale
+        return original(self, *args, **kwargs)
+
+    return _preprocess
+
+
+def _make_tp1_reduce(original):
+    @functools.wraps(original)
+    def reduce_from_tensor_model_parallel_region(input_, group=None):
+        """Upstream's all-reduce; over a group of one rank the input itself (upstream's identity
+        autograd Function returns it as is, which autograd marks a view that must not be
+        modified in place: the expert MLP adds its bias to its output in place)."""
+        if group is not None and group.size() == 1:
+            return input_
+        return original(input_, group)
+
+    return reduce_from_tensor_model_parallel_region
+
+
 _ROPE = "megatron.core.models.common.embeddings"
 INTEGRATION_PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -492,6 +523,41 @@ INTEGRATION_PATCHES: tuple[Patch, ...] = (
             Target("megatron.core.transformer.moe.moe_logging", "MoEMetricsTracker._sync_metrics",
                    _make_moe_metrics_sync, versions=_V19,
                    params=("self", "metric_names", "pg_collection")),
+        ),
+    ),
+    Patch(
+        name="yarn-rope-model-cp-group",
+        summary="a GPT model's YaRN RoPE table is cut for the model's own CP group "
+        "(pg_collection.cp), not megatron's global one (YaRN under CP on the decentralized path)",
+        upstream="megatron/core/models/gpt/gpt_model.py:190-208 (0.16.1: 172-191) GPTModel "
+        "builds YarnRotaryEmbedding without cp_group=self.pg_collection.cp (plain RoPE gets it, "
+        "177-188), so its table falls back to parallel_state.get_context_parallel_group "
+        "(rotary_pos_embedding.py:86-90), None without megatron's global groups: _preprocess "
+        "(412-422) then hands every CP rank the whole sequence's table (RuntimeError in "
+        "apply_rotary_pos_emb: 'The size of tensor a (16) must match the size of tensor b (64)')",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.models.gpt.gpt_model", "GPTModel._preprocess",
+                   _make_preprocess, params=("self", "input_ids", "position_ids")),
+        ),
+    ),
+    Patch(
+        name="row-parallel-tp1-output",
+        summary="a row-parallel linear over one TP rank returns its output itself, not through "
+        "the identity all-reduce Function (expert MLPs with biases train on the local spec)",
+        upstream="megatron/core/tensor_parallel/layers.py:1480 (0.16.1: 1294) RowParallelLinear "
+        "passes its output through reduce_from_tensor_model_parallel_region, whose "
+        "_ReduceFromModelParallelRegion (mappings.py:221-237) returns a one-rank group's input "
+        "as is: autograd marks that output a view created in a custom Function, and "
+        "transformer/mlp.py:354 (0.16.1: 247) adds an expert's bias to linear_fc2's output in "
+        "place (RuntimeError 'Output 0 of _ReduceFromModelParallelRegion is a view and is being "
+        "modified inplace': a MoE layer with expert biases, e.g. gpt-oss, on the local spec "
+        "with TP=1 and no expert parallelism)",
+        versions=VERSIONS,
+        targets=(
+            Target("megatron.core.tensor_parallel.layers",
+                   "reduce_from_tensor_model_parallel_region", _make_tp1_reduce,
+                   params=("input_", "group")),
         ),
     ),
 )

@@ -27,6 +27,8 @@ RECIPES = {  # family -> Bridge's pre-training recipe function of it
     "llama3": "megatron.bridge.recipes.llama.h100.llama3:llama3_8b_pretrain_2gpu_h100_bf16_config",
     "gpt_oss": "megatron.bridge.recipes.gpt_oss.h100.gpt_oss:"
                "gpt_oss_20b_pretrain_16gpu_h100_bf16_config",
+    "deepseek_v3": "megatron.bridge.recipes.deepseek.h100.deepseek_v3:"
+                   "deepseek_v3_pretrain_256gpu_h100_bf16_32nodes_config",
 }
 # families whose Bridge recipe builds its provider itself (no Hugging Face config to read):
 # the recipe function, and the sizes that shrink its model
@@ -35,6 +37,14 @@ DIRECT_RECIPES = {
                {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
                 "num_query_groups": 2, "kv_channels": 16, "ffn_hidden_size": 128,
                 "window_size": 32, "vocab_size": 256}),
+    # Nemotron-H's attention and MLP layers (Bridge's HybridModelProvider, megatron's hybrid
+    # stack): its Mamba layers need mamba_ssm's kernels, which do not run on a CPU
+    "nemotron_h": ("megatron.bridge.recipes.nemotronh.h100.nemotronh:"
+                   "nemotronh_4b_pretrain_1gpu_h100_bf16_config",
+                   {"hybrid_layer_pattern": "*-*-", "num_layers": 4, "hidden_size": 64,
+                    "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
+                    "ffn_hidden_size": 128, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                    "mamba_state_dim": 16, "mamba_num_groups": 1, "vocab_size": 256}),
 }
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -44,6 +54,7 @@ _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
 
 def _config(family: str, fields: dict[str, Any]) -> Any:
     from transformers import (
+        DeepseekV3Config,
         Gemma3TextConfig,
         GptOssConfig,
         LlamaConfig,
@@ -65,6 +76,17 @@ def _config(family: str, fields: dict[str, Any]) -> Any:
                                "num_local_experts": 8,
                                "num_experts_per_tok": 2, "sliding_window": 32,
                                "architectures": ["GptOssForCausalLM"], **fields})
+    if family == "deepseek_v3":  # MLA, YaRN, a dense layer then MoE with a shared expert, MTP
+        return DeepseekV3Config(**{
+            **_COMMON, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32,
+            "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "num_nextn_predict_layers": 1,
+            "rope_scaling": {"type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "architectures": ["DeepseekV3ForCausalLM"], **fields})
     if family == "gemma3":  # 6 layers: 5 with a 32-token window, then a global one
         return Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 6, "head_dim": 16,
                                    "sliding_window": 32, "architectures": ["Gemma3ForCausalLM"],
@@ -119,6 +141,10 @@ def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,
         "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
         "expert_model_parallel_size": 1,
         "sequence_parallel": False, "cuda_graph_impl": "none", "init_method_std": 0.02,
+        "moe_permute_fusion": False,  # a TE kernel some recipes set even for dense models
+        "pipeline_model_parallel_layout": None,  # the recipe's, for its many pipeline stages
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False,
     }.items():
         setattr(model, name, value)
     use_cp_attention(model, backend="reference")

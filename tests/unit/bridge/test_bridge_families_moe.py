@@ -126,10 +126,11 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def moe_run(config_dir: str, overrides: list[str], steps: int = STEPS,
-            revert: tuple[str, ...] = ()) -> dict:
-    """Train the tiny Qwen3-MoE recipe through Bridge's ``pretrain`` on this rank; the history
-    gathered over every rank: ``loss``, ``grad_norm`` and, per step, ``routing`` and ``aux``
-    (module docstring). ``revert``: megatron-core patches taken off for this run."""
+            revert: tuple[str, ...] = (), family: str = "qwen3_moe") -> dict:
+    """Train the tiny ``family`` recipe (``_families.RECIPES``; Qwen3-MoE unless told) through
+    Bridge's ``pretrain`` on this rank; the history gathered over every rank: ``loss``,
+    ``grad_norm`` and, per step, ``routing`` and ``aux`` (module docstring). ``revert``:
+    megatron-core patches taken off for this run."""
     import torch.distributed as dist
 
     from megatron_hcp.bridge.run import metrics_recorder, prepare_environment
@@ -159,7 +160,7 @@ def moe_run(config_dir: str, overrides: list[str], steps: int = STEPS,
         def on_train_step_end(self, context):
             rows.append({"routing": probe.take(), "aux": _load_balancing_losses()})
 
-    cfg = cpu_fp32(recipe_from_hf_config(RECIPES["qwen3_moe"], config_dir), train_iters=steps)
+    cfg = cpu_fp32(recipe_from_hf_config(RECIPES[family], config_dir), train_iters=steps)
     cfg.dist.distributed_backend = "gloo"
     process_config_with_overrides(cfg, cli_overrides=list(overrides) or None)
     recorder = metrics_recorder()

@@ -670,6 +670,51 @@ def test_nemotron_h_hybrid_stack(bridge, how):
 
 
 @needs_bridge
+def test_nemotron_h_mamba_layers_need_mamba_ssm(bridge, monkeypatch):
+    """Nemotron-H through Bridge's recipe and provide() on one CPU rank: a pattern of the
+    hybrid's attention and MLP layers builds (its final norm a torch norm with
+    ``hybrid-final-norm-without-te``; without it TE's, which cannot build here); a pattern with
+    Mamba layers stops at build with megatron's own ImportError naming mamba_ssm (the kernels
+    of its MambaMixer), not with a TE placeholder's error."""
+    import torch
+
+    from megatron_hcp.patching.hybrid import HYBRID_PATCHES
+    from megatron_hcp.patching.registry import apply, revert
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # RoPE's tables
+    patches = [p for p in HYBRID_PATCHES if p.supports()]
+    assert patches, "hybrid-final-norm-without-te is written for this megatron-core"
+    with pytest.raises(Exception, match="TENorm|transformer_engine|Transformer Engine"):
+        _nemotron_h_model("*-*-")
+    apply(patches)
+    try:
+        model = _nemotron_h_model("*-*-")
+        with pytest.raises(ImportError, match="MambaSSM is not installed"):
+            _nemotron_h_model("M*M-")
+    finally:
+        revert(patches)
+    assert isinstance(model.decoder.final_norm, torch.nn.RMSNorm)
+    kinds = [type(layer).__name__ for layer in model.decoder.layers]
+    assert kinds == ["TransformerLayer", "MLPLayer"] * 2
+    assert isinstance(model.decoder.layers[0].self_attention.core_attention,
+                      ReferenceCPAttention)
+
+
+def _nemotron_h_model(pattern: str) -> Any:
+    """Bridge's Nemotron-H 4B recipe's provider, tiny, with ``pattern``, built on this rank."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from tests.unit.bridge._families import tiny_direct_recipe
+
+    provider = _cpu_ready(tiny_direct_recipe("nemotron_h", hybrid_layer_pattern=pattern).model,
+                          "nemotron_h")
+    hcp_spec.use_cp_attention(provider, backend="reference")
+    provider.finalize()
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return provider.provide()
+
+
+@needs_bridge
 def test_old_spec_fails_the_comparison(bridge):
     """The planted difference: the spec megatron-hcp offered before (megatron's local spec with
     only multi_latent_attention passed on) loses Qwen3-MoE's q/k norms and experts."""
