@@ -42,14 +42,11 @@ def family_config(family: str, root: str, steps: int) -> object:
         RECIPES,
         cpu_fp32,
         tiny_direct_recipe,
-        write_tiny_config,
     )
 
     if family in DIRECT_RECIPES:
         return cpu_fp32(tiny_direct_recipe(family), train_iters=steps)
-    directory = Path(root) / family
-    if not (directory / "config.json").is_file():
-        write_tiny_config(family, directory)
+    directory = Path(root) / family  # written once by main(), before any rank reads it
     return cpu_fp32(recipe_from_hf_config(RECIPES[family], str(directory)), train_iters=steps)
 
 
@@ -111,7 +108,11 @@ def main() -> None:
     args = parser.parse_args()
     base = TP2 if args.world == 8 else []
     print(_header(args.world, args.steps), flush=True)
+    from tests.unit.bridge._families import RECIPES, write_tiny_config
+
     with tempfile.TemporaryDirectory() as root, LocalWorld(args.world).start() as world:
+        for family in set(args.families) & set(RECIPES):  # here, not by racing ranks
+            write_tiny_config(family, Path(root) / family)
         for family in args.families:
             extra = [*base, *(EP2 if family in MOE else [])]
             twin = None
