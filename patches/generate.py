@@ -269,6 +269,233 @@ def _torch_view_edit(name: str) -> list:
             for t in patch.targets]
 
 
+def _moe_allgather_edits() -> list:
+    """moe-allgather-variable-tokens: the all-gather dispatcher with expert-parallel ranks of
+    different token counts gathers and reduce-scatters padded equal shares (same text on
+    0.16.1 and 0.19.2). Inside the module, not at its end (cpu-moe-alltoall-dispatcher's)."""
+    path = "megatron/core/transformer/moe/token_dispatcher.py"
+    name = "moe-allgather-variable-tokens"
+    return [
+        (path,
+         "class MoEAllGatherTokenDispatcher(MoETokenDispatcher):\n",
+         f'''# megatron-hcp {name}: expert-parallel peers are data-parallel (DPxCP)
+# ranks, whose micro-batches differ in length with variable-length data (packed rows, dynamic
+# CP); the all-gather dispatcher then gathers and reduce-scatters padded equal shares
+def _token_counts(count, group, device):
+    """Every rank's ``count`` over ``group``, in group order."""
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    every = torch.empty(group.size(), dtype=torch.int64, device=device)
+    torch.distributed.all_gather_into_tensor(every, mine, group=group)
+    return every.tolist()
+
+
+def _padded(tensor, rows):
+    """``tensor`` ([n, ...]) with zero rows appended up to ``rows``."""
+    extra = rows - tensor.shape[0]
+    if extra == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+
+
+class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+'''),
+        (path,
+         "        self.global_local_map = None\n",
+         "        self.global_local_map = None\n"
+         f"        # megatron-hcp {name}: of a dispatch of padded shares, (its real\n"
+         "        # rows in the padded layout, this rank's token count, a share), else None\n"
+         "        self.padded_token_rows = None\n"),
+        (path,
+         '''    def token_dispatch(self, hidden_states, probs):
+        """Gathers tokens from all TP*EP ranks using AllGather."""
+
+        # Permute the tokens across the expert parallel devices.
+''',
+         f'''    def token_dispatch(self, hidden_states, probs):
+        """Gathers tokens from all TP*EP ranks using AllGather."""
+
+        # megatron-hcp {name}: expert-parallel ranks holding different
+        # token counts gather padded equal shares (TP x SP shares alone are equal)
+        self.padded_token_rows = None
+        if self.ep_size > 1:
+            counts = _token_counts(hidden_states.shape[0], self.tp_ep_group, hidden_states.device)
+            if len(set(counts)) > 1:
+                return self._token_dispatch_padded(hidden_states, probs, counts)
+
+        # Permute the tokens across the expert parallel devices.
+'''),
+        (path,
+         "        return hidden_states, probs\n\n"
+         "    def dispatch_postprocess(self, hidden_states, probs):\n",
+         f'''        return hidden_states, probs
+
+    def _token_dispatch_padded(self, hidden_states, probs, counts):
+        """megatron-hcp {name}: each rank's share padded to the largest
+        of ``counts``, gathered as equal shares over TP*EP, the padding rows dropped: the experts
+        see the concatenation of every rank's tokens, as the gather of equal shares gives."""
+        most = max(counts)
+        rows = torch.cat(
+            [torch.arange(n, device=hidden_states.device) + i * most for i, n in enumerate(counts)]
+        )
+        self.padded_token_rows = (rows, hidden_states.shape[0], most)
+
+        def gather(tensor):
+            tensor = _padded(tensor, most)
+            return gather_from_sequence_parallel_region(tensor, group=self.tp_ep_group)[rows]
+
+        with torch.no_grad():
+            self.routing_map = gather(self.routing_map)
+        return gather(hidden_states), gather(probs)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+'''),
+        (path,
+         "        # Unpermute the tokens across ranks.\n"
+         "        if self.tp_size > 1 or self.ep_size > 1:\n"
+         "            hidden_states = reduce_scatter_to_sequence_parallel_region(\n",
+         f'''        # megatron-hcp {name}: after a dispatch of padded shares, the
+        # experts' output put back into the padded layout, reduce-scattered, this rank's rows kept
+        if self.padded_token_rows is not None:
+            rows, local, most = self.padded_token_rows
+            self.padded_token_rows = None
+            values = hidden_states.to(self.local_probs.dtype)
+            full = values.new_zeros((most * self.tp_ep_group.size(), *values.shape[1:]))
+            full = full.index_copy(0, rows, values)
+            out = reduce_scatter_to_sequence_parallel_region(full, group=self.tp_ep_group)
+            return out[:local].to(hidden_states.dtype)
+        # Unpermute the tokens across ranks.
+        if self.tp_size > 1 or self.ep_size > 1:
+            hidden_states = reduce_scatter_to_sequence_parallel_region(
+'''),
+    ]
+
+
+_MLA_DYNAMIC_CP_HELPERS = '''
+
+# megatron-hcp mla-dynamic-cp-group: the CP group of a dynamic-CP micro-batch
+def _dynamic_cp_group(packed_seq_params):
+    """(dynamic?, the micro-batch's own CP group): dynamic when ``packed_seq_params`` sets
+    ``local_cp_size`` or ``cp_group``; group None means no CP (``local_cp_size == 1``).
+    Inconsistent fields raise (never a silent fallback to the static group)."""
+    local = getattr(packed_seq_params, "local_cp_size", None)
+    group = getattr(packed_seq_params, "cp_group", None)
+    if local is None and group is None:
+        return False, None
+    if group is None:
+        if local == 1:
+            return True, None
+        raise RuntimeError(
+            f"packed_seq_params.local_cp_size={local} but packed_seq_params.cp_group is None: "
+            "dynamic CP must hand over the micro-batch's CP group (local_cp_size 1 alone "
+            "means no CP)"
+        )
+    size = torch.distributed.get_world_size(group)
+    if local is not None and local != size:
+        raise RuntimeError(
+            f"packed_seq_params.local_cp_size={local} but its cp_group has {size} ranks"
+        )
+    return True, group
+
+
+class _NoCPGroup:
+    """A CP group of one rank (no CP)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+'''
+
+
+def _mla_dynamic_cp_edits() -> list:
+    """mla-dynamic-cp-group: MLA's forward runs a dynamic-CP micro-batch with its own group as
+    the module's CP group (upstream's forward becomes ``_forward``), its q / k / v without the
+    ``local_cp_size`` MLA refuses and with the whole RoPE table (same text on 0.16.1 and
+    0.19.2)."""
+    path = "megatron/core/transformer/multi_latent_attention.py"
+    mark = "megatron-hcp mla-dynamic-cp-group"
+    return [
+        (path,
+         "import math\nfrom dataclasses import dataclass\n",
+         f"import dataclasses  # {mark}\nimport math\nfrom dataclasses import dataclass\n"),
+        (path,
+         '        """Forward pass for multi-latent attention"""\n',
+         f'''        """Forward pass for multi-latent attention"""
+        # {mark}: a dynamic-CP micro-batch (its own CP group in
+        # packed_seq_params.cp_group; local_cp_size 1 without a group: no CP) runs with that group
+        # as this module's CP group (RoPE of q and k; the core attention takes the micro-batch's
+        # PackedSeqParams as they are), the static group restored after
+        dynamic_cp, cp_group = _dynamic_cp_group(packed_seq_params)
+        args = (
+            hidden_states,
+            attention_mask,
+            key_value_states,
+            inference_context,
+            rotary_pos_emb,
+            rotary_pos_cos,
+            rotary_pos_sin,
+            rotary_pos_cos_sin,
+            attention_bias,
+            packed_seq_params,
+            position_ids,
+            sequence_len_offset,
+        )
+        if not dynamic_cp:
+            return self._forward(*args, inference_params=inference_params)
+        static_cp_group = self.pg_collection.cp
+        self.pg_collection.cp = cp_group if cp_group is not None else _NoCPGroup()
+        try:
+            return self._forward(*args, inference_params=inference_params, dynamic_cp=True)
+        finally:
+            self.pg_collection.cp = static_cp_group
+
+    def _forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states,
+        inference_context,
+        rotary_pos_emb,
+        rotary_pos_cos,
+        rotary_pos_sin,
+        rotary_pos_cos_sin,
+        attention_bias,
+        packed_seq_params,
+        position_ids,
+        sequence_len_offset,
+        *,
+        inference_params,
+        dynamic_cp=False,
+    ):
+        """Upstream's forward; ``dynamic_cp``: a dynamic-CP micro-batch, its group
+        ``self.pg_collection.cp`` for the call ({mark})."""
+'''),
+        (path,
+         "                packed_seq_params,\n"
+         "                inference_context=inference_context,\n"
+         "            )\n",
+         f"                # {mark}: a dynamic-CP micro-batch's group is the\n"
+         "                # module's for the call (local_cp_size, which MLA refuses, left out)\n"
+         "                (\n"
+         "                    dataclasses.replace(packed_seq_params, local_cp_size=None)\n"
+         "                    if dynamic_cp\n"
+         "                    else packed_seq_params\n"
+         "                ),\n"
+         "                inference_context=inference_context,\n"
+         "            )\n"),
+        (path,
+         "                elif packed_seq_params is None or self.config.context_parallel_size == 1:\n",
+         f"                # {mark}: a dynamic-CP micro-batch (cp_group set)\n"
+         "                # keeps the whole table when its group (the module's for the call) has\n"
+         "                # several ranks\n"
+         "                elif packed_seq_params is None or (\n"
+         "                    self.config.context_parallel_size == 1\n"
+         "                    and (packed_seq_params.cp_group is None or self.pg_collection.cp.size() == 1)\n"
+         "                ):\n"),
+        _append(path, _MLA_DYNAMIC_CP_HELPERS),
+    ]
+
 EDITS: dict[str, list] = {
     # ------------------------------------------------------------------ CPU runtime
     "cpu-schedules-device": [("megatron/core/cpu_runtime.py", NEW_FILE, _cpu_runtime_module()),
@@ -846,6 +1073,8 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
         "                    active_pgs.append(f\"{field_info.name}({[g.size() for g in pg]})\")\n"
         "                elif pg is not None:\n"
         "                    active_pgs.append(f\"{field_info.name}({pg.size()})\")\n")],
+    "moe-allgather-variable-tokens": _moe_allgather_edits(),
+    "mla-dynamic-cp-group": _mla_dynamic_cp_edits(),
 }
 
 

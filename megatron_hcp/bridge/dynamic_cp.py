@@ -159,6 +159,18 @@ def _check_dynamic_loop(model: Any, topology: Topology) -> None:
             "the wrong rank (measured: DeepSeek-V3 with one MTP layer off CP=1 by 2.4e-5 in "
             "loss by step 3)",
             "use model.cp_partition_mode=zigzag with MTP (or train without MTP)"))
+    recompute = list(getattr(model, "recompute_modules", None) or [])
+    if (getattr(model, "multi_latent_attention", False)
+            and getattr(model, "recompute_granularity", None) == "selective"
+            and "mla_up_proj" in recompute):
+        problems.append(Violation(
+            "model.recompute_modules", recompute,
+            "MLA's up-projection recomputed in backward (selective recompute of mla_up_proj) "
+            "redoes its RoPE after mla-dynamic-cp-group has given the micro-batch's CP group "
+            "back to the static one: the recomputed RoPE would use the wrong group and table "
+            "(wrong gradients, no error)",
+            "drop mla_up_proj from model.recompute_modules under dynamic CP (or recompute "
+            "whole layers: model.recompute_granularity=full)"))
     n, cap, longest = topology.dp_cp, config.max_seqlen_per_dp_cp_rank, config.seq_length
     tp = topology.tp if getattr(model, "sequence_parallel", False) else 1
     if longest and cap and padded_length(longest, n, tp) // n > cap:

@@ -59,7 +59,8 @@ SERIES: tuple[str, ...] = (
     "cpu-dist-checkpointing", "cpu-ddp-wrap", "cpu-moe-router-device",
     "moe-router-gating-without-te", "cpu-moe-alltoall-dispatcher", "moe-metrics-collection-dp",
     "cpu-yarn-rope-device", "mtp-collection-groups", "mla-tp-group", "yarn-rope-model-cp-group",
-    "row-parallel-tp1-output", "hybrid-final-norm-without-te",
+    "row-parallel-tp1-output", "hybrid-final-norm-without-te", "moe-allgather-variable-tokens",
+    "mla-dynamic-cp-group",
 )
 
 

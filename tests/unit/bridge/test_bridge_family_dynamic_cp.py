@@ -481,6 +481,18 @@ def test_the_contiguous_layout_with_mtp_is_refused_before_training(world):
         assert "multi-token prediction" in failure, failure[-2000:]
 
 
+def test_mla_up_projection_recompute_is_refused_under_dynamic_cp(world):
+    """megatron recomputes MLA's up-projection and its RoPE in backward (selective recompute of
+    ``mla_up_proj``), after ``mla-dynamic-cp-group`` has given the micro-batch's CP group back:
+    the recomputed RoPE would take the static group (wrong gradients, no error). Bridge's loop
+    refuses the pair by name on every rank, before any process group."""
+    recompute = ["model.recompute_granularity=selective", "model.recompute_modules=[mla_up_proj]"]
+    failures = world.run(mla_failure, [*MLA_OFF, *MLA_DYNAMIC, *recompute], (), timeout_s=900)
+    for failure in failures:
+        assert "CPConfigError" in failure and "model.recompute_modules" in failure, (
+            failure[-2000:])
+
+
 # ------------------------------------------------------------------------------ manual check
 def main() -> None:
     import argparse
