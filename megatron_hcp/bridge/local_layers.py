@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 from ..layers.norm import SequenceParallelTorchNorm, map_spec
+from .spec_error import SpecError
 
 __all__ = ["RowParallelLinearPostNorm", "TE_NAMES", "te_modules", "te_spec_to_local"]
 
@@ -119,8 +120,6 @@ def _split_fused_norms(layer: Any, kinds: dict[int, str]) -> Any:
         if sub is None or kinds.get(id(getattr(sub, slot, None))) != "norm_column":
             continue
         if getattr(layer, norm_name) is not IdentityOp:
-            from .spec import SpecError
-
             raise SpecError(f"{block_name}.submodules.{slot}: a norm-fused linear after "
                             f"{norm_name}={getattr(layer, norm_name)!r} would normalise twice")
         sub = copy.copy(sub)
@@ -158,8 +157,6 @@ def _translate(node: Any, kinds: dict[int, str], te_names: dict[int, str]) -> An
         BaseTransformerLayer,
         TransformerLayerSubmodules,
     )
-
-    from .spec import SpecError
 
     def layer(spec: Any) -> Any:
         if (isinstance(spec, ModuleSpec) and isinstance(spec.module, type)
@@ -205,8 +202,6 @@ def te_spec_to_local(spec: Any, config: Any, *, vp_stage: int | None, pp_rank: i
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import _get_block_submodules
-
-    from .spec import SpecError
 
     kinds, te_names = te_modules(*module_names), _te_names(module_names)
     if isinstance(spec, ModuleSpec) and _is_hybrid_stack(spec.module):

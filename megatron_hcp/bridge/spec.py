@@ -61,6 +61,7 @@ from ..attention.module import ReferenceCPAttention, core_attention_class
 from ..attention.te import have_te
 from ..layers.norm import map_spec, torch_norms_to_sp, uses_torch_norms
 from .local_layers import te_spec_to_local
+from .spec_error import SpecError
 
 __all__ = ["LayerWindowCPAttention", "SpecError", "layer_spec", "layer_window",
            "mtp_block_spec", "own_spec", "use_cp_attention"]
@@ -225,10 +226,6 @@ def _defined_in(spec: Any) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------- the swap
-class SpecError(ValueError):
-    """The provider's spec has a core attention megatron-hcp's CP attention cannot stand in for."""
-
-
 def _plain_attention() -> tuple[Any, ...]:
     """megatron's own core attentions, which the CP attention replaces as they are: the local
     ``DotProductAttention`` and ``TEDotProductAttention`` (a placeholder where TE is absent)."""
