@@ -53,6 +53,26 @@ def _new_lines(log: Path, start: int = 0) -> tuple[list[str], int]:
     return data[:end].decode("utf-8", errors="replace").splitlines(), start + end
 
 
+# bytes of a Unix socket's path (Linux's sun_path holds 108 with the terminating NUL)
+_AF_UNIX_PATH_MAX = 107
+
+
+def _multiprocessing_temp_dir() -> str:
+    """multiprocessing's temporary folder (``pymp-*``, removed when this process exits), which
+    holds the forkserver's socket: in ``$TMPDIR``, unless that would make the socket's path too
+    long for AF_UNIX (a deep ``$TMPDIR``: ``OSError: AF_UNIX path too long`` at the launch), then
+    in ``/tmp``."""
+    socket_path = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
+    if len(os.fsencode(socket_path)) < _AF_UNIX_PATH_MAX or not os.path.isdir("/tmp"):
+        return mp.util.get_temp_dir()
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        return mp.util.get_temp_dir()  # made once per process, in /tmp
+    finally:
+        tempfile.tempdir = saved
+
+
 def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
                master_addr: str = "127.0.0.1", timeout_s: float = 3600.0,
                on_line: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
@@ -79,7 +99,7 @@ def run_forked(module: str, argv: list[str], nproc: int, env: dict[str, str], *,
         # a forkserver started now keeps this environment (the ranks' own, GPUs hidden) and
         # puts torchinductor's cache (made when it imports megatron-core) in the folder that
         # multiprocessing removes when this process exits, not in $TMPDIR
-        cache = str(Path(mp.util.get_temp_dir()) / "torchinductor")
+        cache = str(Path(_multiprocessing_temp_dir()) / "torchinductor")
         with environment({"TORCHINDUCTOR_CACHE_DIR": cache,
                           **{k: v for k, v in env.items() if k in ("CUDA_VISIBLE_DEVICES",
                                                                    "OMP_NUM_THREADS")}}):

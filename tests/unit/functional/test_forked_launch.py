@@ -92,3 +92,34 @@ def test_ctrl_c_while_waiting_stops_every_rank():
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in pids) and time.monotonic() - start < 60, pids
+
+
+_DEEP_TMPDIR_CHILD = """
+import multiprocessing as mp, os, sys
+from megatron_hcp.functional.forked import _AF_UNIX_PATH_MAX, _multiprocessing_temp_dir
+folder = _multiprocessing_temp_dir()
+assert len(os.fsencode(os.path.join(folder, "listener-" + "x" * 8))) < _AF_UNIX_PATH_MAX, folder
+ctx = mp.get_context("forkserver")
+child = ctx.Process(target=os.getpid)
+child.start()  # the forkserver's socket lives in that folder
+child.join()
+print("FOLDER", folder, child.exitcode)
+"""
+
+
+def test_a_deep_tmpdir_does_not_stop_the_forkserver(tmp_path):
+    """The forkserver's socket lives in multiprocessing's temporary folder; under a deep
+    ``$TMPDIR`` its path passed AF_UNIX's 107 bytes and the launch failed ('AF_UNIX path too
+    long'): the folder then goes to /tmp."""
+    import os
+    import subprocess
+    import sys
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(deep)}
+    done = subprocess.run([sys.executable, "-c", _DEEP_TMPDIR_CHILD], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder, code = done.stdout.split()[-2:]
+    assert code == "0" and not folder.startswith(str(deep)), done.stdout
