@@ -76,6 +76,10 @@ def bridge(world):
     mods = _bridge.load()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        # megatron's config check reads TE's backend switches from the environment, which an
+        # earlier config of this process may have set (Gemma 3 asks for the flash backend)
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            patch.delenv(name, raising=False)
         yield mods
     _bridge.release()
 
