@@ -70,15 +70,20 @@ def _recipe(recipe: Callable[..., Any] | str) -> Callable[..., Any]:
     if callable(recipe):
         return recipe
     module, _, name = str(recipe).rpartition(":")
+    cause: Exception | None = None
     try:
         function = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError, ValueError):
-        function = None
+    except (ImportError, AttributeError, ValueError) as err:
+        function, cause = None, err
     if not callable(function):
+        # the import's own error is named: a module that exists but failed to import (a
+        # missing dependency) reads differently from a misspelt name
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
         raise CPConfigError([Violation(
-            "recipe", recipe, "must be a recipe function or package.module:function naming one",
+            "recipe", recipe,
+            "must be a recipe function or package.module:function naming one" + why,
             "e.g. megatron.bridge.recipes.qwen.h100.qwen3_moe:"
-            "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config")])
+            "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config")]) from cause
     return function
 
 

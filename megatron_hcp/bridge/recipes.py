@@ -17,6 +17,9 @@ providers from Hugging Face configs, which needs a download; these need none.
   and a MoE layer with a shared expert, multi-token prediction) as Bridge's own DeepSeek-V3
   bridge makes its provider from a Hugging Face config - built in memory, no download - on
   Bridge's mock GPT dataset.
+* :func:`tiny_family_pretrain_config` (defined in :mod:`megatron_hcp.bridge.family_recipes`):
+  Bridge's own recipe of a real family (Qwen3-MoE, DeepSeek-V3, gpt-oss, Gemma 3, ...) run
+  offline from a tiny Hugging Face config, made a CPU fp32 run on mock data.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["tiny_deepseek_v3_pretrain_config", "tiny_llama_pretrain_config",
-           "tiny_llama_sft_config", "write_packed_sft_data", "write_tokenizer"]
+from .family_recipes import tiny_family_pretrain_config
+
+__all__ = ["tiny_deepseek_v3_pretrain_config", "tiny_family_pretrain_config",
+           "tiny_llama_pretrain_config", "tiny_llama_sft_config", "write_packed_sft_data",
+           "write_tokenizer"]
 
 
 def _tiny_llama(seq_length: int, vocab_size: int, num_layers: int, hidden_size: int,

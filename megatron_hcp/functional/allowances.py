@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
                              "LD_PRELOAD)")
     parser.add_argument("--allow-recipe-module", action="append", default=[], metavar="MODULE",
                         help="let a BRIDGE recipe name a function of this module (by default "
-                             "only megatron.bridge.recipes.* and megatron_hcp.bridge.recipes)")
+                             "only megatron.bridge.recipes.*, megatron_hcp.bridge.recipes and "
+                             "megatron_hcp.bridge.family_recipes)")
 
 
 def from_arguments(args) -> Allowed:

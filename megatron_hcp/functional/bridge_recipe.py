@@ -5,8 +5,10 @@ ENV_VARS: {}
 NPROC: 4
 TEST_TYPE: ckpt-resume            # or regular
 BRIDGE:
-  recipe: tiny_llama_sft_config   # a recipe function: a name in megatron_hcp.bridge.recipes,
-                                  #   or module:function (any Bridge recipe function)
+  recipe: tiny_llama_sft_config   # a recipe function: a name in megatron_hcp.bridge.recipes
+                                  #   (e.g. tiny_family_pretrain_config, recipe_args
+                                  #   {family: qwen3_moe}), or module:function (any Bridge
+                                  #   recipe function)
   recipe_args: {seq_length: 128}  # its keyword arguments (plain values)
   config: bridge.yaml             # optional: a Bridge ConfigContainer YAML merged on top
   entry: finetune                 # pretrain | finetune
@@ -58,8 +60,10 @@ DEV_DYNAMIC_FIELDS = ("dynamic_context_parallel", "min_dynamic_context_parallel_
 DEV_FIELDS = (*DEV_DYNAMIC_FIELDS, "cp_partition_mode")
 _CP_FIELDS = frozenset(CPConfig.field_names()) - {"data_parallel_size"}
 # where a BRIDGE.recipe function may come from without --allow-recipe-module: the project's
-# recipes and Bridge's (a module and its submodules); every rank calls the function
-RECIPE_MODULES = ("megatron_hcp.bridge.recipes", "megatron.bridge.recipes")
+# recipes (its tiny models; Bridge's family recipes made tiny CPU runs) and Bridge's (a module
+# and its submodules); every rank calls the function
+RECIPE_MODULES = ("megatron_hcp.bridge.recipes", "megatron_hcp.bridge.family_recipes",
+                  "megatron.bridge.recipes")
 _DEFAULT_MODULE = RECIPE_MODULES[0]
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 

@@ -14,7 +14,11 @@ pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(MISSING is not None, reason=f"Bridge recipe: {MISSING}")]
 
 RECIPES = ["bridge_llama_tp1_pp1_cp4_a2a_p2p_decentralized_pg", "bridge_llama_tp2_pp1_cp2_dcp",
-           "bridge_llama_tp1_pp2_vpp2_cp2_dcp"]
+           "bridge_llama_tp1_pp2_vpp2_cp2_dcp",
+           # Bridge's own recipes of real families (megatron_hcp.bridge.family_recipes): MoE with
+           # expert parallelism, MLA (+ MTP), sinks and a sliding window
+           "bridge_qwen3_moe_tp1_pp1_cp4_ep2_a2a_p2p_decentralized_pg",
+           "bridge_deepseek_v3_tp1_pp1_cp4_a2a_p2p", "bridge_gpt_oss_tp1_pp1_cp4_a2a_p2p"]
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -3,9 +3,9 @@ the one-rank form of every recipe family for a machine with one GPU.
 
 A one-rank form keeps a recipe's model, data, loss and training path and drops what needs more
 ranks: TP, PP and VPP, CP and dynamic CP (a dynamic-CP recipe keeps its packed variable-length
-THD data), sequence parallelism. Recipes whose one-rank forms are the same run form one family
-(the p2p / a2a / all_gather recipes are one model on one rank). Megatron-Bridge recipes keep
-Bridge's own loop (``pretrain`` / ``finetune``) and its data.
+THD data), sequence parallelism, expert parallelism. Recipes whose one-rank forms are the same
+run form one family (the p2p / a2a / all_gather recipes are one model on one rank).
+Megatron-Bridge recipes keep Bridge's own loop (``pretrain`` / ``finetune``) and its data.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _PARALLEL_OVERRIDES = ("model.tensor_model_parallel_size", "model.sequence_paral
                        "model.hybrid_context_parallel", "model.dynamic_context_parallel",
                        "model.min_dynamic_context_parallel_size",
                        "model.max_seqlen_per_dp_cp_rank", "model.variable_seq_lengths",
-                       "model.moe_token_dispatcher_type")
+                       "model.moe_token_dispatcher_type", "model.expert_model_parallel_size")
 
 
 def shipped_recipes() -> dict[str, int]:

@@ -143,3 +143,33 @@ def test_what_the_call_replaced_is_back_when_the_recipe_raises(bridge, offline, 
         recipe_from_hf_config(broken, directory)
     assert (bridge.__dict__["from_hf_pretrained"], AutoConfig.__dict__["from_pretrained"],
             hub.HF_HUB_OFFLINE) == before
+
+
+def test_the_family_recipe_is_bridges_recipe_offline_as_a_cpu_run(bridge, offline, tmp_path):
+    """``tiny_family_pretrain_config`` (the functional recipes' function): Bridge's own recipe of
+    the family from the tiny config it writes under ``data_dir`` (no temporary left, written
+    again by another rank as it is), or from the config in memory; a CPU fp32 run."""
+    from megatron_hcp.bridge.family_recipes import (
+        FAMILY_RECIPES,
+        tiny_family_pretrain_config,
+        write_tiny_config,
+    )
+    from megatron_hcp.functional.bridge_recipe import _recipe_function
+
+    assert _recipe_function("tiny_family_pretrain_config") is tiny_family_pretrain_config
+    cfg = tiny_family_pretrain_config("qwen3_moe", data_dir=str(tmp_path), train_iters=3)
+    written = tmp_path / "qwen3_moe-config" / "config.json"
+    before = written.read_text()
+    write_tiny_config("qwen3_moe", written.parent)  # a second rank's write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3_moe-config"]
+    assert written.read_text() == before and "Qwen3MoeForCausalLM" in before
+    model = cfg.model
+    assert (model.num_layers, model.num_moe_experts, model.bf16, model.transformer_impl,
+            model.moe_token_dispatcher_type, model.context_parallel_size) == (
+        2, 8, False, "local", "alltoall", 1)
+    assert (cfg.train.train_iters, cfg.tokenizer.tokenizer_type) == (3, "NullTokenizer")
+    assert type(cfg.dataset).__name__ == "MockGPTDatasetConfig"
+    assert tiny_family_pretrain_config("qwen3_moe").model.num_moe_experts == 8  # in memory
+    assert {"qwen3_moe", "deepseek_v3", "gpt_oss"} <= set(FAMILY_RECIPES)
+    with pytest.raises(ValueError, match="family='nope'"):
+        tiny_family_pretrain_config("nope")
