@@ -3,10 +3,10 @@ one command, one table.
 
     python -m tests.unit.bridge.family_matrix [--world 8] [--steps 5] [--families gemma3 ...]
 
-Each family is Bridge 0.6.2's own recipe function - built offline from a tiny ``transformers``
-config (:func:`tests.unit.bridge._families.write_tiny_config` + ``recipe_from_hf_config``), or
-called as it is and shrunk where it builds its provider itself (Gemma 3, Nemotron-H) - made a CPU
-fp32 run on mock data (:func:`~tests.unit.bridge._families.cpu_fp32`). ``--world 8``: TP2 with
+Each family is Bridge 0.6.2's own recipe function - run offline from a tiny ``transformers``
+config, or called as it is and shrunk where it builds its provider itself (Gemma 3, Nemotron-H) -
+made a CPU fp32 run on mock data
+(:func:`megatron_hcp.bridge.family_recipes.tiny_family_pretrain_config`). ``--world 8``: TP2 with
 sequence parallelism x CP4 ``a2a+p2p`` [2,2] on Bridge's decentralized path and on the MPU path,
 each against the TP2+SP CP=1 twin (the CP ranks data-parallel); ``--world 4``: CP4 [2,2]
 without TP. MoE families run with expert parallelism 2 and the alltoall dispatcher. Prints one
@@ -21,7 +21,6 @@ import argparse
 import datetime
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 
 RTOL = 1e-5
@@ -34,23 +33,7 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 EP2 = ["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"]
 
 
-def family_config(family: str, root: str, steps: int) -> object:
-    """Bridge's recipe of ``family``, tiny, as a CPU fp32 run (module docstring)."""
-    from megatron_hcp.bridge.offline import recipe_from_hf_config
-    from tests.unit.bridge._families import (
-        DIRECT_RECIPES,
-        RECIPES,
-        cpu_fp32,
-        tiny_direct_recipe,
-    )
-
-    if family in DIRECT_RECIPES:
-        return cpu_fp32(tiny_direct_recipe(family), train_iters=steps)
-    directory = Path(root) / family  # written once by main(), before any rank reads it
-    return cpu_fp32(recipe_from_hf_config(RECIPES[family], str(directory)), train_iters=steps)
-
-
-def matrix_run(family: str, root: str, overrides: list[str], steps: int) -> dict:
+def matrix_run(family: str, overrides: list[str], steps: int) -> dict:
     """Train ``family`` through Bridge's ``pretrain`` on this rank; loss and grad norm per step."""
     from megatron_hcp.bridge.run import metrics_recorder, prepare_environment
 
@@ -62,6 +45,7 @@ def matrix_run(family: str, root: str, overrides: list[str], steps: int) -> dict
     from megatron.bridge.training.utils.pg_utils import get_pg_collection
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
+    from megatron_hcp.bridge.family_recipes import tiny_family_pretrain_config
     from megatron_hcp.parallel_state.collection import destroy_pg_collection
 
     kept: dict = {}
@@ -71,7 +55,7 @@ def matrix_run(family: str, root: str, overrides: list[str], steps: int) -> dict
             kept["pgc"] = get_pg_collection(context.model[0])
 
     destroy_moe_metrics_tracker()
-    cfg = family_config(family, root, steps)
+    cfg = tiny_family_pretrain_config(family, train_iters=steps)  # its config in memory
     cfg.dist.distributed_backend = "gloo"
     process_config_with_overrides(cfg, cli_overrides=list(overrides) or None)
     recorder = metrics_recorder()
@@ -108,20 +92,16 @@ def main() -> None:
     args = parser.parse_args()
     base = TP2 if args.world == 8 else []
     print(_header(args.world, args.steps), flush=True)
-    from tests.unit.bridge._families import RECIPES, write_tiny_config
-
-    with tempfile.TemporaryDirectory() as root, LocalWorld(args.world).start() as world:
-        for family in set(args.families) & set(RECIPES):  # here, not by racing ranks
-            write_tiny_config(family, Path(root) / family)
+    with LocalWorld(args.world).start() as world:
         for family in args.families:
             extra = [*base, *(EP2 if family in MOE else [])]
             twin = None
             for path, overrides in (("decentralized", DECENTRALIZED), ("MPU", [])):
                 try:
                     if twin is None:
-                        twin = world.run(matrix_run, family, root, [*extra, *DECENTRALIZED],
+                        twin = world.run(matrix_run, family, [*extra, *DECENTRALIZED],
                                          args.steps, timeout_s=1800)[0]
-                    run = world.run(matrix_run, family, root, [*extra, *HCP, *overrides],
+                    run = world.run(matrix_run, family, [*extra, *HCP, *overrides],
                                     args.steps, timeout_s=1800)[0]
                 except Exception as err:  # noqa: BLE001 - a family that fails is a row too
                     print(f"| {family} | {path} | - | - | FAILED: "

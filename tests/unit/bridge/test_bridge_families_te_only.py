@@ -31,6 +31,7 @@ import math
 import pytest
 
 from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge.family_matrix import DECENTRALIZED, HCP
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(
     not REAL, reason="needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the "
@@ -40,9 +41,6 @@ WORLD = 4
 RTOL = 1e-5
 STEPS = 5
 
-DECENTRALIZED = ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"]
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 
 
 def family_run(family: str, overrides: list[str], steps: int = STEPS,
