@@ -496,6 +496,161 @@ def _mla_dynamic_cp_edits() -> list:
         _append(path, _MLA_DYNAMIC_CP_HELPERS),
     ]
 
+_MOE_ROUTER_HELPERS = '''
+# megatron-hcp moe-router-dynamic-cp-group: a MoE router's load-balancing and z-losses of a
+# dynamic-CP micro-batch (its own CP group in packed_seq_params.cp_group; local_cp_size 1
+# without a group: no CP) over the micro-batch's group, not the static TP x CP group
+class _NoCPGroup:
+    """A CP group of one rank (no CP)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _router_group_uses(config):
+    """What a MoE router of config computes over its TP x CP group."""
+    if not config.num_moe_experts:
+        return []
+    types = config.moe_router_load_balancing_type
+    coeffs = config.moe_aux_loss_coeff
+    if isinstance(types, str):
+        types, coeffs = [types], [coeffs]
+    elif not isinstance(coeffs, (list, tuple)):
+        coeffs = [coeffs] * len(types)
+    uses = [
+        t
+        for t, c in zip(types, coeffs)
+        if t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (c or 0) > 0
+    ]
+    if config.moe_z_loss_coeff:
+        uses.append("z_loss")
+    if "quantile_balancing" in types:
+        uses.append("quantile_balancing")
+    return uses
+
+
+def _router_problems(config, uses):
+    """Why the router cannot run a dynamic-CP micro-batch on the micro-batch's group."""
+    problems = []
+    if config.tensor_model_parallel_size > 1:
+        problems.append(
+            f"tensor_model_parallel_size={config.tensor_model_parallel_size}: the router's "
+            f"{uses} would reduce over TP x the micro-batch's CP group, which does not exist; "
+            "use TP 1 (expert parallelism instead) or set the losses' coefficients to 0"
+        )
+    if "global_aux_loss" in uses:
+        problems.append(
+            "moe_router_load_balancing_type=global_aux_loss assumes every rank holds as many "
+            "tokens, which dynamic CP's micro-batches do not; use aux_loss or seq_aux_loss"
+        )
+    if getattr(config, "moe_layer_recompute", False) or (
+        config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or [])
+    ):
+        problems.append(
+            f"recompute_modules={config.recompute_modules}: selective recompute of moe reruns "
+            "the router in backward, after the micro-batch's CP group was given back; drop moe "
+            "(moe_act or full recompute work)"
+        )
+    return problems
+
+
+def _router_on_micro_batch_group(layer, args, kwargs):
+    """(router, static group, the micro-batch's group) of a dynamic-CP micro-batch through a
+    layer whose MoE router computes over its group; None otherwise."""
+    router = getattr(getattr(layer, "mlp", None), "router", None)
+    uses = _router_group_uses(layer.config) if router is not None else []
+    if not uses:
+        return None
+    if "packed_seq_params" in kwargs or not args:
+        params = kwargs.get("packed_seq_params")
+    else:
+        signature = inspect.signature(type(layer)._forward_attention)
+        params = signature.bind_partial(layer, *args, **kwargs).arguments.get(
+            "packed_seq_params"
+        )
+    local = getattr(params, "local_cp_size", None)
+    group = getattr(params, "cp_group", None)
+    if local is None and group is None:
+        return None
+    if group is None and local != 1:
+        raise RuntimeError(
+            f"packed_seq_params.local_cp_size={local} but packed_seq_params.cp_group is None"
+        )
+    problems = _router_problems(layer.config, uses)
+    if problems:
+        raise ValueError("MoE router under dynamic CP: " + "; ".join(problems))
+    return router, router.tp_cp_group, group if group is not None else _NoCPGroup()
+
+
+def _tracked_back(swapped, static):
+    """MoE metrics last recorded over swapped reduce over static again when logged."""
+    from megatron.core.transformer.moe.{tracker_module} import {tracker_function}
+
+    for entry in {tracker_function}(){tracker_values}:
+        if {tracker_get} is swapped:
+            {tracker_set}
+
+
+'''
+
+_MOE_ROUTER_FORWARD = '''    def forward(self, *args, **kwargs):
+        """
+        Perform a forward pass through the transformer layer.
+
+        megatron-hcp moe-router-dynamic-cp-group: a dynamic-CP micro-batch's MoE router computes
+        its losses over the micro-batch's CP group (the static group restored after, also for
+        the metrics logged).
+        """
+        swap = _router_on_micro_batch_group(self, args, kwargs)
+        if swap is None:
+            return self._forward_layer(*args, **kwargs)
+        router, static, group = swap
+        router.tp_cp_group = group
+        try:
+            return self._forward_layer(*args, **kwargs)
+        finally:
+            router.tp_cp_group = static
+            _tracked_back(group, static)
+
+    def _forward_layer(self, *args, **kwargs):
+        """
+        Perform a forward pass through the transformer layer.
+'''
+
+
+def _moe_router_edits(version: str) -> list:
+    """moe-router-dynamic-cp-group: ``TransformerLayer.forward`` runs a dynamic-CP micro-batch
+    with the MoE router's ``tp_cp_group`` the micro-batch's CP group (upstream's forward becomes
+    ``_forward_layer``); the metrics tracker's entries get the static group back."""
+    path = "megatron/core/transformer/transformer_layer.py"
+    if version == "0.16.1":
+        tracker = {"tracker_module": "moe_utils",
+                   "tracker_function": "get_moe_layer_wise_logging_tracker",
+                   "tracker_values": ".values()", "tracker_get": 'entry.get("reduce_group")',
+                   "tracker_set": 'entry["reduce_group"] = static'}
+    else:
+        tracker = {"tracker_module": "moe_logging", "tracker_function": "get_moe_metrics_tracker",
+                   "tracker_values": "._metrics.values()", "tracker_get": "entry.reduce_group",
+                   "tracker_set": "entry.reduce_group = static"}
+    helpers = _MOE_ROUTER_HELPERS
+    for key, value in tracker.items():
+        helpers = helpers.replace("{" + key + "}", value)
+    return [
+        (path, "import functools\nimport logging\n",
+         "import functools\nimport inspect  # megatron-hcp moe-router-dynamic-cp-group\n"
+         "import logging\n"),
+        (path, "\n@dataclass\nclass TransformerLayerSubmodules:\n",
+         helpers + "@dataclass\nclass TransformerLayerSubmodules:\n"),
+        (path,
+         '    def forward(self, *args, **kwargs):\n        """\n'
+         '        Perform a forward pass through the transformer layer.\n',
+         _MOE_ROUTER_FORWARD),
+    ]
+
+
 EDITS: dict[str, list] = {
     # ------------------------------------------------------------------ CPU runtime
     "cpu-schedules-device": [("megatron/core/cpu_runtime.py", NEW_FILE, _cpu_runtime_module()),
@@ -1075,6 +1230,7 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
         "                    active_pgs.append(f\"{field_info.name}({pg.size()})\")\n")],
     "moe-allgather-variable-tokens": _moe_allgather_edits(),
     "mla-dynamic-cp-group": _mla_dynamic_cp_edits(),
+    "moe-router-dynamic-cp-group": _moe_router_edits("0.16.1"),
 }
 
 
@@ -1181,6 +1337,7 @@ VERSION_EDITS: dict[str, dict[str, list]] = {
         "attention-dynamic-cp-rope": _rope_edits_0192(),
         "mtp-dynamic-cp-group": _mtp_edits_0192(),
         "mamba-dynamic-cp-group": _mamba_edits_0192(),
+        "moe-router-dynamic-cp-group": _moe_router_edits("0.19.2"),
         "mla-tp-group": _mla_tp_group_edits(fused=True),
     },
 }

@@ -48,6 +48,7 @@ from ..attention.partition import partition_mode
 from ..config import CPConfig, CPConfigError, Topology, Violation
 from ..dynamic_cp.step import PlannedMicroBatches, plan_step, schedule_arguments
 from ..parallel_state.dynamic import dynamic_cp_groups_of
+from ..patching.moe_router import dynamic_cp_router_problems
 from ..patching.registry import Target
 from .config import cp_config_from_bridge, read_window
 
@@ -171,6 +172,7 @@ def _check_dynamic_loop(model: Any, topology: Topology) -> None:
             "(wrong gradients, no error)",
             "drop mla_up_proj from model.recompute_modules under dynamic CP (or recompute "
             "whole layers: model.recompute_granularity=full)"))
+    problems += dynamic_cp_router_problems(model)
     n, cap, longest = topology.dp_cp, config.max_seqlen_per_dp_cp_rank, config.seq_length
     tp = topology.tp if getattr(model, "sequence_parallel", False) else 1
     if longest and cap and padded_length(longest, n, tp) // n > cap:

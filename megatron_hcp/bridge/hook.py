@@ -392,7 +392,8 @@ def _core_patches() -> list[Patch]:
 
     patches = by_name([*DYNAMIC_CP_PATCHES, *DECENTRALIZED_PATCHES, *LOCAL_SPEC_PATCHES,
                        "destroy-forgets-stale-groups", "rope-cp-partition-mode",
-                       "moe-allgather-variable-tokens", "mla-dynamic-cp-group"])
+                       "moe-allgather-variable-tokens", "mla-dynamic-cp-group",
+                       "moe-router-dynamic-cp-group"])
     mtp = [p for p in MLA_DECENTRALIZED_PATCHES if p.supports()]  # megatron-core 0.19.2's MTP
     return [p for p in patches + by_name(["te-attention-hcp", "mamba-dynamic-cp-group"]) + mtp
             if not p.missing_requirement()]

@@ -13,6 +13,7 @@ from .integration import INTEGRATION_PATCHES
 from .mla import MLA_CPU_RUNTIME_PATCHES, MLA_DECENTRALIZED_PATCHES
 from .mla_dynamic_cp import MLA_DYNAMIC_CP_PATCHES
 from .moe_dispatch import MOE_DISPATCH_PATCHES
+from .moe_router import MOE_ROUTER_PATCHES
 from .registry import Patch, PatchError, apply, is_applied, megatron_core_version, revert
 
 __all__ = [
@@ -41,7 +42,8 @@ __all__ = [
 ALL_PATCHES: tuple[Patch, ...] = (INTEGRATION_PATCHES + CPU_RUNTIME_PATCHES
                                   + TRAINING_CPU_RUNTIME_PATCHES + MLA_CPU_RUNTIME_PATCHES
                                   + MLA_DECENTRALIZED_PATCHES + MOE_DISPATCH_PATCHES
-                                  + HYBRID_PATCHES + MLA_DYNAMIC_CP_PATCHES)
+                                  + HYBRID_PATCHES + MLA_DYNAMIC_CP_PATCHES
+                                  + MOE_ROUTER_PATCHES)
 
 
 def by_name(names: list[str] | None = None) -> list[Patch]:
@@ -75,10 +77,11 @@ LOCAL_SPEC_PATCHES: tuple[str, ...] = ("row-parallel-tp1-output",)
 def apply_dynamic_cp() -> None:
     """Apply :data:`DYNAMIC_CP_PATCHES` (idempotent), ``moe-allgather-variable-tokens`` (MoE's
     all-gather dispatcher with expert-parallel ranks of different token counts),
-    ``mla-dynamic-cp-group`` (multi-latent attention), and ``mamba-dynamic-cp-group`` where
-    Mamba's kernels are installed."""
+    ``mla-dynamic-cp-group`` (multi-latent attention), ``moe-router-dynamic-cp-group`` (MoE
+    routers' losses per micro-batch group), and ``mamba-dynamic-cp-group`` where Mamba's kernels
+    are installed."""
     apply(by_name([*DYNAMIC_CP_PATCHES, "moe-allgather-variable-tokens",
-                   "mla-dynamic-cp-group"]))
+                   "mla-dynamic-cp-group", "moe-router-dynamic-cp-group"]))
     mamba = by_name(["mamba-dynamic-cp-group"])
     if not mamba[0].missing_requirement():
         apply(mamba)

@@ -60,7 +60,7 @@ SERIES: tuple[str, ...] = (
     "moe-router-gating-without-te", "cpu-moe-alltoall-dispatcher", "moe-metrics-collection-dp",
     "cpu-yarn-rope-device", "mtp-collection-groups", "mla-tp-group", "yarn-rope-model-cp-group",
     "row-parallel-tp1-output", "hybrid-final-norm-without-te", "moe-allgather-variable-tokens",
-    "mla-dynamic-cp-group",
+    "mla-dynamic-cp-group", "moe-router-dynamic-cp-group",
 )
 
 

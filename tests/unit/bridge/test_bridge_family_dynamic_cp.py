@@ -37,10 +37,12 @@ token routed, padding included (Bridge passes no padding mask): dynamic CP regro
 sequences into other micro-batches with other padding, so with the recipe's own aux loss (1e-3)
 it trains another objective than CP=1 - by megatron's definition, not a CP defect (measured over
 5 steps: lm loss within 4.5e-6, grad norm off by up to 5.1e-5). That is pinned here: the forward
-(step 1's lm loss and routing) is the same, the gradient is not. (Under dynamic CP megatron also
-reduces those counts over the static TP x CP group, not over the micro-batch's dynamic group:
-the same plan trains differently with static CP 4 and static CP 1 - 2.6e-5 in grad norm with the
-aux loss, 8e-8 without.)
+(step 1's lm loss and routing) is the same, the gradient is not. Upstream also reduced a
+micro-batch's token counts over the static TP x CP group, other micro-batches' tokens included,
+and divided the z-loss by its size; ``moe-router-dynamic-cp-group`` gives the router the
+micro-batch's group: with the aux loss and a z-loss on, static CP 4 and static CP 1 train alike
+under dynamic CP (5.6e-6 in grad norm; upstream 4.7e-5), and what the router cannot do per
+micro-batch group (TP > 1, the global aux loss, selective recompute of ``moe``) is refused.
 
 ``moe-allgather-variable-tokens`` (megatron-core patch, :mod:`megatron_hcp.patching.moe_dispatch`)
 makes the all-gather dispatcher work with expert-parallel ranks holding different token counts -
@@ -89,6 +91,7 @@ SFT_RECIPE = ("megatron.bridge.recipes.qwen.h100.qwen3_moe:"
               "qwen3_30b_a3b_sft_8gpu_h100_bf16_config")
 
 NO_AUX = ["model.moe_aux_loss_coeff=0"]
+AUX_AND_Z = ["model.moe_aux_loss_coeff=1e-3", "model.moe_z_loss_coeff=1e-3"]
 # the token cap must hold the longest possible sequence (seq_length 128) on all DPxCP ranks
 DYNAMIC = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=48"]
 CP4 = ["model.context_parallel_size=4", "model.cp_comm_type=p2p"]
@@ -219,19 +222,37 @@ class RealTokenRouting(_RoutingProbe):
 
 
 def moe_sft_run(config_dir: str, data_dir: str, overrides: list[str],
-                steps: int = STEPS) -> dict:
+                steps: int = STEPS, revert: tuple[str, ...] = ()) -> dict:
     """Train the tiny Qwen3-MoE SFT run (:func:`moe_sft_config`, then ``overrides``) through
     Bridge's ``pretrain`` on this rank; the history gathered over every rank: ``loss``,
     ``grad_norm``, ``dynamic_cp`` (each step's plan record), and per step the routing of the
-    sequences' tokens and the load-balancing losses (``steps``)."""
+    sequences' tokens and the load-balancing losses (``steps``). ``revert``: megatron-core
+    patches taken off for the run."""
     from megatron_hcp.bridge.run import prepare_environment
+    from megatron_hcp.patching import apply, by_name
+    from megatron_hcp.patching import revert as take_off
 
     prepare_environment(cpu=True)  # before Bridge's import (Transformer Engine's stand-ins)
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     cfg = moe_sft_config(config_dir, data_dir, steps)
     process_config_with_overrides(cfg, cli_overrides=list(overrides) or None)
-    return _train(cfg, eos=cfg.model.vocab_size - 1)
+    take_off(by_name(list(revert)))
+    try:
+        return _train(cfg, eos=cfg.model.vocab_size - 1)
+    finally:
+        apply(by_name(list(revert)))
+
+
+def moe_sft_failure(config_dir: str, data_dir: str, overrides: list[str]) -> str:
+    """The failure's text of a one-step :func:`moe_sft_run` ('ran' when it trains)."""
+    import traceback
+
+    try:
+        moe_sft_run(config_dir, data_dir, overrides, 1)
+    except Exception:  # noqa: BLE001 - the failure is the result
+        return traceback.format_exc()
+    return "ran"
 
 
 def mla_run(overrides: list[str], steps: int = STEPS, revert: tuple[str, ...] = ()) -> dict:
@@ -381,10 +402,11 @@ def dirs(tmp_path_factory):
     return str(write_tiny_config("qwen3_moe", root / "config")), str(root / "data")
 
 
-def _history(world, dirs: tuple[str, str], overrides: list[str]) -> dict:
-    key = tuple(overrides)
+def _history(world, dirs: tuple[str, str], overrides: list[str],
+             revert: tuple[str, ...] = ()) -> dict:
+    key = (*overrides, *(f"revert:{name}" for name in revert))
     if key not in _RUNS:
-        per_rank = world.run(moe_sft_run, *dirs, overrides, timeout_s=900)
+        per_rank = world.run(moe_sft_run, *dirs, overrides, STEPS, revert, timeout_s=900)
         assert all(h == per_rank[0] for h in per_rank), "ranks disagree on the gathered history"
         _RUNS[key] = per_rank[0]
     return _RUNS[key]
@@ -434,6 +456,52 @@ def test_with_the_recipes_aux_loss_dynamic_cp_trains_another_objective(world, di
 
     assert routing(run) == routing(base)
     assert _deviation(run, base, "grad_norm") > RTOL
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "upstream"])
+def test_with_aux_and_z_losses_static_cp_4_and_1_train_alike_under_dynamic_cp(world, dirs,
+                                                                             patched):
+    """The recipe's aux loss (1e-3) and a z-loss (1e-3) over each dynamic-CP micro-batch's own
+    group (``moe-router-dynamic-cp-group``): with a static CP of 4 (static TP x CP group: all 4
+    ranks) and of 1 (a group of one rank) the plans' groups are the same and lm loss and grad
+    norm stay within 1e-5 (measured: 3.6e-7, 5.6e-6). Upstream reduces the token counts over
+    the static group, other micro-batches' tokens included, and divides the z-loss by the
+    static size: 5.3e-6, 4.7e-5. (Which sequences share a micro-batch can differ: the static
+    CP 1 run's four replicas load the step's rows and hand the scheduler their lengths in
+    another order. The lm loss does not depend on it; a micro-batch's aux loss does, so the
+    logged aux values are not compared here: test_moe_router_patch.py checks them per
+    micro-batch against one rank holding the whole micro-batch.)"""
+    revert = () if patched else ("moe-router-dynamic-cp-group",)
+    runs = [_history(world, dirs, [*AUX_AND_Z, f"model.context_parallel_size={cp}",
+                                   "model.cp_comm_type=p2p", *DYNAMIC], revert)
+            for cp in (4, 1)]
+    plans = [[(p["group_sizes"], p["micro_batches"]) for p in run["dynamic_cp"]]
+             for run in runs]
+    assert plans[0] == plans[1], plans
+    assert all(max(sizes) > 1 for sizes, _ in plans[0]), plans[0]
+    apart = {key: _deviation(runs[0], runs[1], key) for key in ("loss", "grad_norm")}
+    if patched:
+        assert max(apart.values()) <= RTOL, apart
+    else:
+        assert max(apart.values()) > RTOL, apart
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+      "model.context_parallel_size=2"], "model.tensor_model_parallel_size"),
+    (["model.moe_router_load_balancing_type=global_aux_loss"],
+     "model.moe_router_load_balancing_type"),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[moe]"],
+     "model.recompute_modules"),
+], ids=["tp2", "global_aux_loss", "moe_recompute"])
+def test_what_the_router_cannot_do_per_micro_batch_is_refused(world, dirs, overrides, field):
+    """Under dynamic CP a router with losses refuses TP > 1 (no TP x micro-batch group), the
+    global aux loss (equal token counts assumed) and selective recompute of ``moe`` (the router
+    reruns after the group was given back): by name, on every rank, before any process
+    group."""
+    for failure in world.run(moe_sft_failure, *dirs, [*AUX_AND_Z, *CP4, *DYNAMIC, *overrides],
+                             timeout_s=900):
+        assert "CPConfigError" in failure and field in failure, failure[-2000:]
 
 
 def test_the_allgather_dispatcher_with_unequal_expert_parallel_shares(world):

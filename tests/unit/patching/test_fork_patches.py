@@ -319,3 +319,16 @@ def test_diffs_train_exactly_like_the_runtime_patches(patched_world, runtime_wor
         assert f["where"].startswith(source) and not f["applied"]  # the diffs alone
         assert "cpu-schedules-device" in r["applied"]
         assert f["loss"] == r["loss"] and f["grad_norm"] == r["grad_norm"], (f, r)
+
+
+@pytest.mark.multirank
+def test_the_forked_moe_router_equals_one_rank_holding_the_micro_batch(patched_world):
+    """``moe-router-dynamic-cp-group`` as a diff (no runtime patching): a dynamic-CP
+    micro-batch's router losses equal one rank's over the whole micro-batch, as the runtime
+    patch's do (test_moe_router_patch.py)."""
+    from tests.unit.patching.test_moe_router_patch import router_per_micro_batch
+
+    world, _ = patched_world
+    for result in world.run(router_per_micro_batch, None, timeout_s=300):
+        assert result["grad"] <= 1e-6 and result["load_balancing_loss"] <= 1e-6, result
+        assert result["reduce_groups"] in (["static"], ["None", "static"]), result
