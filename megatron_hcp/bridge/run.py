@@ -47,8 +47,10 @@ def prepare_environment(cpu: bool | None = None) -> list[str]:
     logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
     if cpu:
-        done += (apply_cpu_runtime(training=True) + apply_mla_cpu_runtime()
-                 + apply(p for p in HYBRID_PATCHES if p.supports()))
+        done += apply_cpu_runtime(training=True) + apply_mla_cpu_runtime()
+    # on every device: the hybrid stack's final norm is TENorm where TE imports, a torch norm
+    # where it does not (a GPU machine without TE too)
+    done += apply(p for p in HYBRID_PATCHES if p.supports())
     for module in _BRIDGE_LOOP:
         importlib.import_module(module)
     done += apply(BRIDGE_RUNTIME_PATCHES)  # on every device (the wheel's dataset helpers)

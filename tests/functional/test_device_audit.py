@@ -63,6 +63,40 @@ def test_the_gpu_run_of_every_recipe_has_no_device_mix(worlds, name):
     assert report.clean, _detail(report)
 
 
+# Bridge's families without a functional recipe of their own (Qwen3-MoE, DeepSeek-V3 and gpt-oss
+# have one, audited above): their Bridge recipe's GPU run, one step at CP4 a2a+p2p [2,2]
+UNRECIPED_FAMILIES = ("llama3", "qwen3", "gemma3", "nemotron_h")
+
+
+def _family_recipe(family: str, root) -> BridgeRecipe:
+    """A Bridge recipe directory of ``family`` (megatron_hcp.bridge.family_recipes), written
+    under ``root`` as the shipped ones are, and loaded."""
+    import yaml
+
+    path = root / f"bridge_{family}_tp1_pp1_cp4_a2a_p2p"
+    path.mkdir()
+    (path / "model_config.yaml").write_text(yaml.safe_dump({
+        "ENV_VARS": {}, "NPROC": 4, "TEST_TYPE": "regular",
+        "BRIDGE": {"recipe": "tiny_family_pretrain_config", "recipe_args": {"family": family},
+                   "entry": "pretrain",
+                   "overrides": ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
+                                 "model.hierarchical_context_parallel_sizes=[2,2]",
+                                 "train.train_iters=1"]}}))
+    recipe = load_recipe(path)
+    assert isinstance(recipe, BridgeRecipe) and recipe.nproc == 4
+    return recipe
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(BRIDGE_MISSING is not None,
+                    reason=f"Megatron-Bridge's loop: {BRIDGE_MISSING} (the py312 leg audits it)")
+@pytest.mark.parametrize("family", UNRECIPED_FAMILIES)
+def test_the_gpu_run_of_every_bridge_family_has_no_device_mix(worlds, family, tmp_path):
+    report = audit_recipe(_family_recipe(family, tmp_path), world=worlds(4))
+    assert len(report.ranks) == 4
+    assert report.clean, _detail(report)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", [_param(n) for n in CPU_RUNS])
 def test_a_cpu_run_on_a_machine_with_cuda_never_uses_cuda(worlds, name):
