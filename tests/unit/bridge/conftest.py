@@ -1,0 +1,28 @@
+"""One gloo world of 4 ranks for every Bridge test module here that asks for ``world``: its
+ranks import Megatron-Bridge once (about 20 s of a 2-core machine per world started), instead of
+once per module. Each module's runs set up and tear down Bridge's state themselves, as they do
+between the tests of one module; the resharding and Gemma 3 oracle modules keep worlds of their
+own (non-daemonic ranks for Bridge's checkpoint writer, a reference model of their own)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import local_world
+
+BRIDGE_WORLD = 4
+
+
+@pytest.fixture(scope="session")
+def bridge_world():
+    with local_world(BRIDGE_WORLD) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world(request, bridge_world):
+    """The shared world, for a module whose ``WORLD`` is :data:`BRIDGE_WORLD`."""
+    assert request.module.WORLD == BRIDGE_WORLD, (
+        f"{request.module.__name__}: WORLD={request.module.WORLD}; the Bridge modules share a "
+        f"world of {BRIDGE_WORLD} ranks (give the module a fixture of its own)")
+    return bridge_world
