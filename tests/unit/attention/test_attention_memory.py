@@ -27,7 +27,7 @@ from megatron_hcp.attention.reference.memory_proxy import (
     rank_memory,
 )
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_only]
 
 WORLD = 4
 COMMS = ("p2p", "a2a", "a2a+p2p", "all_gather")

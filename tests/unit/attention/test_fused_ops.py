@@ -31,6 +31,8 @@ from tests.unit.attention.test_cp_attention import (
     window_cases,
 )
 
+pytestmark = pytest.mark.torch_only
+
 NEG_INF = float("-inf")
 # the C++ compiler inductor's CPU backend calls (its config: $CXX, else g++)
 CXX = shutil.which(os.environ.get("CXX", "g++"))

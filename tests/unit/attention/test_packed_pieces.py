@@ -36,6 +36,8 @@ from tests.unit.attention.test_cp_attention import (
     runnable_in,
 )
 
+pytestmark = pytest.mark.torch_only
+
 
 def _pairs(block, n: int) -> torch.Tensor:
     """The visible (row, col) pairs of ``block`` over ``n`` local tokens, counted per pair."""

@@ -42,7 +42,7 @@ from megatron_hcp.threaded_world import ThreadedWorld
 from tests.unit.attention.conftest import reference_as_fa2
 from tests.unit.attention.test_cp_attention import cp_groups
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_only]
 
 WORLD = 8
 SEED = 20

@@ -47,7 +47,7 @@ from megatron_hcp.threaded_world import ThreadedWorld
 from tests.unit.attention.test_attention_kernels import TE_GQA_TOL
 from tests.unit.attention.test_cp_attention import COMMS, FORMATS, cp_groups
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_only]
 
 WORLD = 4
 BATCH = 2  # Transformer Engine's

@@ -51,6 +51,8 @@ from tests.unit.attention.test_cp_attention import (
 )
 from tests.unit.attention.test_packed_pieces import _packings, _pairs, layout_pairs
 
+pytestmark = pytest.mark.torch_only
+
 
 def _call_pairs(call: VarlenCall, n: int) -> torch.Tensor:
     """The (row, col) pairs over ``n`` local tokens the segments of ``call`` compute."""
