@@ -1,21 +1,21 @@
 """One gloo world of 4 ranks for every Bridge test module here that asks for ``world``: its
 ranks import Megatron-Bridge once (about 20 s of a 2-core machine per world started), instead of
 once per module. Each module's runs set up and tear down Bridge's state themselves, as they do
-between the tests of one module; the resharding and Gemma 3 oracle modules keep worlds of their
-own (non-daemonic ranks for Bridge's checkpoint writer, a reference model of their own)."""
+between the tests of one module. The ranks are not daemonic: megatron's checkpoint writer
+(``filesystem_async``, the resharding tests) starts a process of its own."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import local_world
+from megatron_hcp.local_world import LocalWorld
 
 BRIDGE_WORLD = 4
 
 
 @pytest.fixture(scope="session")
 def bridge_world():
-    with local_world(BRIDGE_WORLD) as world:
+    with LocalWorld(BRIDGE_WORLD, daemon=False) as world:
         yield world
 
 

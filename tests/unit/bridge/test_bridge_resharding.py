@@ -184,16 +184,6 @@ _RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def world():
-    """``WORLD`` non-daemonic ranks (conftest's are daemonic): megatron's checkpoint writer
-    starts a process of its own (``filesystem_async``: a ``multiprocessing`` manager)."""
-    from megatron_hcp.local_world import LocalWorld
-
-    with LocalWorld(WORLD, daemon=False) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
 def root(tmp_path_factory):
     from tests.unit.bridge._families import write_tiny_config
 
