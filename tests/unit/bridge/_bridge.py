@@ -25,6 +25,11 @@ import torch
 import yaml
 
 REAL = sys.version_info >= (3, 12)
+# the overrides of the layout the families are proven in (CP4 a2a+p2p [2,2]) and of Bridge's
+# decentralized process-group path
+HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
+       "model.hierarchical_context_parallel_sizes=[2,2]"]
+DECENTRALIZED = ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"]
 WHICH = "the installed Megatron-Bridge 0.6.2" if REAL else "the stand-in of _bridge_standin"
 # a Bridge module that imported load_megatron_model by value (like Bridge's diffusion pipelines,
 # which need diffusers to import)

@@ -23,12 +23,11 @@ import platform
 import subprocess
 from pathlib import Path
 
+from tests.unit.bridge._bridge import DECENTRALIZED, HCP
+
 RTOL = 1e-5
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3", "nemotron_h")
 MOE = {"qwen3_moe", "deepseek_v3", "gpt_oss"}
-DECENTRALIZED = ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"]
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 EP2 = ["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"]
 

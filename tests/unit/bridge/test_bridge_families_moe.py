@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge._bridge import DECENTRALIZED, HCP, REAL
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(
     not REAL, reason="needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the "
@@ -43,9 +43,6 @@ WORLD = 4
 RTOL = 1e-5
 STEPS = 5
 
-DECENTRALIZED = ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"]
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 LAYOUTS = {  # expert parallelism and dispatcher: the HCP run and its CP=1 twin share them
     f"ep{ep}_{dispatcher}": [f"model.expert_model_parallel_size={ep}",

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge._bridge import HCP, REAL
 from tests.unit.bridge.test_bridge_families_moe import (
     _load_balancing_losses,
     _merge,
@@ -95,8 +95,6 @@ AUX_AND_Z = ["model.moe_aux_loss_coeff=1e-3", "model.moe_z_loss_coeff=1e-3"]
 # the token cap must hold the longest possible sequence (seq_length 128) on all DPxCP ranks
 DYNAMIC = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=48"]
 CP4 = ["model.context_parallel_size=4", "model.cp_comm_type=p2p"]
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 EP2_A2A = ["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"]
 EP2_AG = ["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=allgather"]
 LAYOUTS = {  # layout -> (its overrides, those of its static CP=1 twin)

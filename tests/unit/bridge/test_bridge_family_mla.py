@@ -32,7 +32,7 @@ import math
 
 import pytest
 
-from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge._bridge import DECENTRALIZED, HCP, REAL
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(
     not REAL, reason="needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the "
@@ -43,9 +43,7 @@ RTOL = 1e-5
 STEPS = 5
 
 RECIPE = "tiny_deepseek_v3_pretrain_config"
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
-PATHS = {"decentralized": ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"],
+PATHS = {"decentralized": DECENTRALIZED,
          "mpu": ["dist.use_decentralized_pg=false"]}
 
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge._bridge import DECENTRALIZED, HCP, REAL
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(
     not REAL, reason="needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the "
@@ -28,9 +28,6 @@ STEPS = 3
 PRETRAIN = "tiny_llama_pretrain_config"
 SFT = "tiny_llama_sft_config"
 SFT_ARGS = {"seq_length": 128, "median_length": 24, "sigma": 0.9}
-DECENTRALIZED = ["dist.use_decentralized_pg=true", "dist.use_gloo_process_groups=false"]
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 # the token cap must hold the longest possible sequence (seq_length 128) on all DPxCP ranks
 DYNAMIC = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=48"]  # DPxCP 4
 DYNAMIC2 = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=64"]  # DPxCP 2

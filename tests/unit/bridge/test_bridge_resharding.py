@@ -47,7 +47,7 @@ import math
 
 import pytest
 
-from tests.unit.bridge._bridge import REAL
+from tests.unit.bridge._bridge import HCP, REAL
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(
     not REAL, reason="needs Megatron-Bridge 0.6.2, which installs on Python 3.12 only: the "
@@ -60,8 +60,6 @@ STEPS = 6
 SAVED_AT = 3
 GLOBAL_BATCH = 8  # cpu_fp32's
 
-HCP = ["model.context_parallel_size=4", "model.cp_comm_type=a2a+p2p",
-       "model.hierarchical_context_parallel_sizes=[2,2]"]
 # static CP in the contiguous layout is refused in Bridge (its batch step cuts zigzag): dynamic
 # CP, 16 tokens a rank - every 64-token row on a group of all 4 ranks
 CONTIGUOUS = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=16",
