@@ -76,8 +76,10 @@ def bridge(world):
     mods = _bridge.load()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-        # megatron's config check reads TE's backend switches from the environment, which an
-        # earlier config of this process may have set (Gemma 3 asks for the flash backend)
+        # megatron's LanguageModule sets TE's backend switches in the process environment when
+        # it builds a model and asserts them on the next build (language_module.py:111-142):
+        # any earlier in-process GPT of the default 'auto' backend leaves all three at 1, and
+        # Gemma 3 asks for the flash backend
         for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
             patch.delenv(name, raising=False)
         yield mods
