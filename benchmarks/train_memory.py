@@ -29,16 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_hcp.local_world import LocalWorld  # noqa: E402
 
-WORLD = 4
+WORLD = 4  # ranks (DP = WORLD / CP); --world 8 reaches CP 8
 
 
-def _spec(cp: int, comm: str, seq: int, hidden: int, layers: int, heads: int):
+def _spec(cp: int, comm: str, seq: int, hidden: int, layers: int, heads: int,
+          world: int = WORLD):
     from megatron_hcp.training.trainer import TinyGPTSpec
 
     return TinyGPTSpec.of(num_layers=layers, num_attention_heads=heads,
                           num_query_groups=heads, seq_length=seq, hidden_size=hidden,
                           context_parallel_size=cp, cp_comm_type=comm, micro_batch_size=1,
-                          global_batch_size=WORLD // cp, steps=2,
+                          global_batch_size=world // cp, steps=2,
                           max_position_embeddings=seq)
 
 
@@ -47,6 +48,7 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
     """On this rank: the bytes a training step's forward_backward holds when its backward
     starts (the activations) and its peak, of the last of two steps."""
     import megatron.core.pipeline_parallel as pipeline
+    import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules
 
     from megatron_hcp.attention.reference.memory import LiveBytes
@@ -56,8 +58,9 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
     from megatron_hcp.training.trainer import train_tiny_gpt
 
     apply_cpu_runtime()
+    world = dist.get_world_size()
     initialize_model_parallel(
-        CPConfig(context_parallel_size=cp, data_parallel_size=WORLD // cp, cp_comm_type=comm,
+        CPConfig(context_parallel_size=cp, data_parallel_size=world // cp, cp_comm_type=comm,
                  num_attention_heads=heads, num_query_groups=heads, seq_length=seq),
         create_gloo_process_groups=False)
     seen: dict[str, int] = {}
@@ -84,7 +87,7 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
     pipeline.get_forward_backward_func = counted_schedule
     schedules.backward_step = marked_backward
     try:
-        train_tiny_gpt(_spec(cp, comm, seq, hidden, layers, heads))
+        train_tiny_gpt(_spec(cp, comm, seq, hidden, layers, heads, world))
     finally:
         pipeline.get_forward_backward_func = get_schedule
         schedules.backward_step = backward_step
@@ -92,8 +95,8 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
     return dict(seen)
 
 
-def planner_bytes(cp: int, comm: str, seq: int, hidden: int, layers: int, heads: int
-                  ) -> dict[str, float]:
+def planner_bytes(cp: int, comm: str, seq: int, hidden: int, layers: int, heads: int,
+                  world: int = WORLD) -> dict[str, float]:
     """The planner's memory model for the same run at fp32, as the harness checks a recipe
     (``recipe_memory``), and its part that lives from the forward to the backward: the
     layers' activations per token (``_activation_bytes_per_token``) and the logits, without
@@ -102,7 +105,7 @@ def planner_bytes(cp: int, comm: str, seq: int, hidden: int, layers: int, heads:
     from megatron_hcp.planner.estimate import _activation_bytes_per_token
     from megatron_hcp.planner.inputs import ModelSpec
 
-    spec = _spec(cp, comm, seq, hidden, layers, heads)
+    spec = _spec(cp, comm, seq, hidden, layers, heads, world)
     memory = recipe_memory(types.SimpleNamespace(spec=spec))
     model = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                       num_query_groups=heads, vocab_size=spec.vocab_size, untie_embeddings=True)
@@ -120,21 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--comm", default="p2p")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks (DP = world / CP)")
     args = parser.parse_args(argv)
     shape = (args.comm, args.seq, args.hidden, args.layers, args.heads)
     print(f"training step, S={args.seq}, hidden {args.hidden}, {args.layers} layers, "
-          f"{args.heads} heads, fp32, {args.comm}, {WORLD} gloo ranks (DP = {WORLD} / CP)")
+          f"{args.heads} heads, fp32, {args.comm}, {args.world} gloo ranks "
+          f"(DP = {args.world} / CP)")
     head = (f"{'CP':>3} {'act MiB':>8} {'x CP':>6} {'planner kept':>12} {'ratio':>6} "
             f"{'peak MiB':>9} {'planner':>8} {'ratio':>6}")
     print(head)
     print("-" * len(head))
     base = None
     for cp in args.cp:
-        with LocalWorld(WORLD, timeout_s=1800) as world:
+        with LocalWorld(args.world, timeout_s=1800) as world:
             per_rank = world.run(rank_step_memory, cp, *shape, timeout_s=1800)
         act = max(r["activations"] for r in per_rank)
         peak = max(r["peak"] for r in per_rank)
-        plan = planner_bytes(cp, *shape)
+        plan = planner_bytes(cp, *shape, args.world)
         base = base or act * cp
         mib = 2.0**20
         print(f"{cp:>3} {act / mib:8.2f} {act * cp / base:6.3f} {plan['kept'] / mib:12.2f} "
