@@ -37,10 +37,9 @@ def rank_bridge_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: i
     import megatron.bridge.training.train as bridge_train
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
-    from megatron.core.pipeline_parallel import schedules
 
-    from megatron_hcp.attention.reference.memory import LiveBytes
     from megatron_hcp.functional.bridge_recipe import build_bridge_config
+    from megatron_hcp.training.step_memory import counted_schedules
 
     world = dist.get_world_size()
     args = {"seq_length": seq, "hidden_size": hidden, "num_layers": layers,
@@ -53,34 +52,8 @@ def rank_bridge_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: i
     if comm == "a2a+p2p" and cp > 1:  # a2a over pairs, the ring over the rest
         overrides.append(f"model.hierarchical_context_parallel_sizes=[2,{cp // 2}]")
     cfg = build_bridge_config(RECIPE, args, overrides, steps=2)
-    seen: dict[str, int] = {}
-    counters: list[LiveBytes] = []
-    get_schedule, backward_step = bridge_train.get_forward_backward_func, schedules.backward_step
-
-    def marked_backward(*a, **k):
-        if counters and "activations" not in seen:
-            seen["activations"] = counters[-1].current
-        return backward_step(*a, **k)
-
-    def counted_schedule(*a, **k):
-        schedule = get_schedule(*a, **k)
-
-        def run(*sa, **sk):
-            seen.clear()
-            with LiveBytes() as mem:
-                counters.append(mem)
-                result = schedule(*sa, **sk)
-            seen["peak"] = mem.peak
-            return result
-        return run
-
-    bridge_train.get_forward_backward_func = counted_schedule
-    schedules.backward_step = marked_backward
-    try:
+    with counted_schedules(bridge_train) as seen:
         pretrain(cfg, forward_step)
-    finally:
-        bridge_train.get_forward_backward_func = get_schedule
-        schedules.backward_step = backward_step
     model = cfg.model
     return {**seen, "layout": (model.context_parallel_size, model.cp_comm_type if cp > 1 else None,
                                model.hierarchical_context_parallel_sizes)}

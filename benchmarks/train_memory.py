@@ -49,12 +49,11 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
     starts (the activations) and its peak, of the last of two steps."""
     import megatron.core.pipeline_parallel as pipeline
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import schedules
 
-    from megatron_hcp.attention.reference.memory import LiveBytes
     from megatron_hcp.config import CPConfig
     from megatron_hcp.parallel_state.mpu import destroy_model_parallel, initialize_model_parallel
     from megatron_hcp.patching import apply_cpu_runtime
+    from megatron_hcp.training.step_memory import counted_schedules
     from megatron_hcp.training.trainer import train_tiny_gpt
 
     apply_cpu_runtime()
@@ -63,35 +62,11 @@ def rank_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int, hea
         CPConfig(context_parallel_size=cp, data_parallel_size=world // cp, cp_comm_type=comm,
                  num_attention_heads=heads, num_query_groups=heads, seq_length=seq),
         create_gloo_process_groups=False)
-    seen: dict[str, int] = {}
-    counters: list[LiveBytes] = []
-    get_schedule, backward_step = pipeline.get_forward_backward_func, schedules.backward_step
-
-    def marked_backward(*args, **kwargs):
-        if counters and "activations" not in seen:
-            seen["activations"] = counters[-1].current
-        return backward_step(*args, **kwargs)
-
-    def counted_schedule(*args, **kwargs):
-        schedule = get_schedule(*args, **kwargs)
-
-        def run(*a, **k):
-            seen.clear()
-            with LiveBytes() as mem:
-                counters.append(mem)
-                result = schedule(*a, **k)
-            seen["peak"] = mem.peak
-            return result
-        return run
-
-    pipeline.get_forward_backward_func = counted_schedule
-    schedules.backward_step = marked_backward
-    try:
-        train_tiny_gpt(_spec(cp, comm, seq, hidden, layers, heads, world))
-    finally:
-        pipeline.get_forward_backward_func = get_schedule
-        schedules.backward_step = backward_step
-        destroy_model_parallel()
+    with counted_schedules(pipeline) as seen:
+        try:
+            train_tiny_gpt(_spec(cp, comm, seq, hidden, layers, heads, world))
+        finally:
+            destroy_model_parallel()
     return dict(seen)
 
 
