@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..config.topology import dynamic_cp_blocks, dynamic_hcp_levels
 from .groups import collective_device, destroy_groups, group_kwargs
 
-__all__ = ["DynamicCPGroups", "attach_dynamic_cp_groups", "create_dynamic_cp_groups",
+__all__ = ["DynamicCPGroups", "create_dynamic_cp_groups",
            "dynamic_cp_groups_of"]
 
 
@@ -201,18 +201,3 @@ def dynamic_cp_groups_of(pg_collection: Any) -> DynamicCPGroups | None:
     :class:`~.pg_collection.HCPProcessGroupCollection`); None: none, or another collection."""
     groups = getattr(pg_collection, "dynamic_cp", None)
     return groups if isinstance(groups, DynamicCPGroups) else None
-
-
-def attach_dynamic_cp_groups(pg_collection: Any, groups: DynamicCPGroups | None) -> None:
-    """Set (or, with None, clear) the ``dynamic_cp`` groups of an
-    :class:`~.pg_collection.HCPProcessGroupCollection`; megatron's own collection has no such
-    field, so it is refused (wrap it: ``HCPProcessGroupCollection.of(collection,
-    dynamic_cp=groups)``)."""
-    from .pg_collection import HCPProcessGroupCollection
-
-    if not isinstance(pg_collection, HCPProcessGroupCollection):
-        raise TypeError(
-            f"pg_collection is a {type(pg_collection).__name__}, which has no dynamic_cp field; "
-            "use megatron_hcp.parallel_state.pg_collection.HCPProcessGroupCollection.of("
-            "collection, dynamic_cp=groups) (what create_pg_collection returns)")
-    pg_collection.dynamic_cp = groups

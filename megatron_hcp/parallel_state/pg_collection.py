@@ -22,7 +22,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from ..config import Topology
 from .dynamic import DynamicCPGroups
 
-__all__ = ["HCPProcessGroupCollection"]
+__all__ = ["HCPProcessGroupCollection", "attach_dynamic_cp_groups"]
 
 
 class HCPProcessGroupCollection(ProcessGroupCollection):
@@ -46,3 +46,16 @@ class HCPProcessGroupCollection(ProcessGroupCollection):
         dynamic = ("" if self.dynamic_cp is None
                    else f", dynamic_cp(sizes {sorted(self.dynamic_cp.by_size)})")
         return f"HCP{super().__repr__()}{dynamic}"
+
+
+def attach_dynamic_cp_groups(pg_collection: Any, groups: DynamicCPGroups | None) -> None:
+    """Set (or, with None, clear) the ``dynamic_cp`` groups of an
+    :class:`HCPProcessGroupCollection`; megatron's own collection has no such
+    field, so it is refused (wrap it: ``HCPProcessGroupCollection.of(collection,
+    dynamic_cp=groups)``)."""
+    if not isinstance(pg_collection, HCPProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection is a {type(pg_collection).__name__}, which has no dynamic_cp field; "
+            "use megatron_hcp.parallel_state.pg_collection.HCPProcessGroupCollection.of("
+            "collection, dynamic_cp=groups) (what create_pg_collection returns)")
+    pg_collection.dynamic_cp = groups

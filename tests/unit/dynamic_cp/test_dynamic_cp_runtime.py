@@ -408,12 +408,11 @@ def test_dynamic_groups_are_typed_on_the_returned_collection_only():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_hcp.config import CPConfig
-    from megatron_hcp.parallel_state.dynamic import (
-        DynamicCPGroups,
+    from megatron_hcp.parallel_state.dynamic import DynamicCPGroups, dynamic_cp_groups_of
+    from megatron_hcp.parallel_state.pg_collection import (
+        HCPProcessGroupCollection,
         attach_dynamic_cp_groups,
-        dynamic_cp_groups_of,
     )
-    from megatron_hcp.parallel_state.pg_collection import HCPProcessGroupCollection
 
     plain = ProcessGroupCollection(tp=None, cp=None)
     groups = DynamicCPGroups([0, 1], {1: None, 2: None})
