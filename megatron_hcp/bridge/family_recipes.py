@@ -164,8 +164,8 @@ def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,
     import torch
     from megatron.bridge.training.config import MockGPTDatasetConfig
 
-    from .recipes import _common_training
     from .spec import use_cp_attention
+    from .training_common import common_training
 
     model = cfg.model
     for name, value in {
@@ -202,7 +202,7 @@ def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model = "NullTokenizer", None
     cfg.tokenizer.vocab_size, cfg.tokenizer.use_tokenizer_vocab_size = model.vocab_size, False
     cfg.env_vars = {}
-    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+    return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
                             micro_batch_size=1, lr=1e-3, seed=seed)
 
 

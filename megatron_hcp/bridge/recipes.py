@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .family_recipes import tiny_family_pretrain_config
+from .training_common import common_training
 
 __all__ = ["tiny_deepseek_v3_pretrain_config", "tiny_family_pretrain_config",
            "tiny_llama_pretrain_config", "tiny_llama_sft_config", "write_packed_sft_data",
@@ -62,42 +63,6 @@ def _tiny_llama(seq_length: int, vocab_size: int, num_layers: int, hidden_size: 
         cross_entropy_loss_fusion=False, calculate_per_token_loss=True)
 
 
-def _common_training(cfg: Any, *, train_iters: int, global_batch_size: int,
-                     micro_batch_size: int, lr: float, seed: int) -> Any:
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        DistributedDataParallelConfig,
-        DistributedInitConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-    )
-
-    cfg.train.train_iters = train_iters
-    cfg.train.global_batch_size = global_batch_size
-    cfg.train.micro_batch_size = micro_batch_size
-    cfg.train.manual_gc = False
-    cfg.validation.eval_iters = 0
-    cfg.optimizer = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0,
-                                    clip_grad=0.0, bf16=False, fp16=False,
-                                    use_distributed_optimizer=False)
-    cfg.scheduler = SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0,
-                                    start_weight_decay=0.0, end_weight_decay=0.0,
-                                    weight_decay_incr_style="constant")
-    cfg.ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            overlap_param_gather=False,
-                                            use_distributed_optimizer=False)
-    cfg.mixed_precision = None
-    cfg.comm_overlap = None
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = None
-    cfg.logger.log_timers_to_tensorboard = False
-    cfg.checkpoint = CheckpointConfig(save=None, load=None, ckpt_format="torch_dist",
-                                      async_save=False, fully_parallel_save=True)
-    cfg.rng.seed = seed
-    cfg.dist = DistributedInitConfig()  # Bridge's default backend (NCCL); a CPU run sets gloo
-    return cfg
-
-
 def tiny_llama_pretrain_config(*, seq_length: int = 64, vocab_size: int = 256,
                                num_layers: int = 4, hidden_size: int = 64,
                                num_attention_heads: int = 4, num_query_groups: int = 2,
@@ -119,7 +84,7 @@ def tiny_llama_pretrain_config(*, seq_length: int = 64, vocab_size: int = 256,
         random_seed=seed, reset_attention_mask=False, reset_position_ids=False,
         eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
         dataloader_type="single", num_workers=0, data_sharding=True)
-    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+    return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
                             micro_batch_size=micro_batch_size, lr=lr, seed=seed)
 
 
@@ -191,7 +156,7 @@ def tiny_deepseek_v3_pretrain_config(*, seq_length: int = 64, vocab_size: int = 
         random_seed=seed, reset_attention_mask=False, reset_position_ids=False,
         eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
         dataloader_type="single", num_workers=0, data_sharding=True)
-    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+    return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
                             micro_batch_size=micro_batch_size, lr=lr, seed=seed)
 
 
@@ -227,7 +192,7 @@ def tiny_llama_sft_config(data_dir: str, *, seq_length: int = 128, vocab_size: i
             packed_val_data_path=str(valid)),
         do_validation=False, do_test=False, dataloader_type="single", num_workers=0,
         seed=seed)
-    return _common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
+    return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
                             micro_batch_size=1, lr=lr, seed=seed)
 
 

@@ -186,7 +186,6 @@ KNOWN_LAZY_CIRCLES = {
     frozenset({"megatron_hcp.attention.reference.blocks",
                "megatron_hcp.attention.reference.kernels",
                "megatron_hcp.attention.reference.varlen"}),
-    frozenset({"megatron_hcp.bridge.family_recipes", "megatron_hcp.bridge.recipes"}),
 }
 
 
