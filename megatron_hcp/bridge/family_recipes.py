@@ -203,7 +203,7 @@ def cpu_fp32(cfg: Any, *, seq_length: int = 64, train_iters: int = 5,
     cfg.tokenizer.vocab_size, cfg.tokenizer.use_tokenizer_vocab_size = model.vocab_size, False
     cfg.env_vars = {}
     return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
-                            micro_batch_size=1, lr=1e-3, seed=seed)
+                           micro_batch_size=1, lr=1e-3, seed=seed)
 
 
 def tiny_family_pretrain_config(family: str, *, data_dir: str | None = None,

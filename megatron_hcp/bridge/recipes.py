@@ -85,7 +85,7 @@ def tiny_llama_pretrain_config(*, seq_length: int = 64, vocab_size: int = 256,
         eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
         dataloader_type="single", num_workers=0, data_sharding=True)
     return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
-                            micro_batch_size=micro_batch_size, lr=lr, seed=seed)
+                           micro_batch_size=micro_batch_size, lr=lr, seed=seed)
 
 
 def _tiny_deepseek_v3(seq_length: int, vocab_size: int, num_layers: int, hidden_size: int,
@@ -157,7 +157,7 @@ def tiny_deepseek_v3_pretrain_config(*, seq_length: int = 64, vocab_size: int = 
         eod_mask_loss=False, seq_length=seq_length, num_dataset_builder_threads=1,
         dataloader_type="single", num_workers=0, data_sharding=True)
     return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
-                            micro_batch_size=micro_batch_size, lr=lr, seed=seed)
+                           micro_batch_size=micro_batch_size, lr=lr, seed=seed)
 
 
 def tiny_llama_sft_config(data_dir: str, *, seq_length: int = 128, vocab_size: int = 256,
@@ -193,7 +193,7 @@ def tiny_llama_sft_config(data_dir: str, *, seq_length: int = 128, vocab_size: i
         do_validation=False, do_test=False, dataloader_type="single", num_workers=0,
         seed=seed)
     return common_training(cfg, train_iters=train_iters, global_batch_size=global_batch_size,
-                            micro_batch_size=1, lr=lr, seed=seed)
+                           micro_batch_size=1, lr=lr, seed=seed)
 
 
 def write_packed_sft_data(root: Path, *, seq_length: int, vocab_size: int, rows: int,

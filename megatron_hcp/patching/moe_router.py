@@ -66,7 +66,8 @@ def router_group_uses(config: Any) -> list[str]:
     uses = [name for name, coeff in _aux_coefficients(config).items() if coeff > 0]
     if getattr(config, "moe_z_loss_coeff", None):
         uses.append("z_loss")
-    if getattr(config, "moe_router_load_balancing_type", None) == "quantile_balancing":
+    types = getattr(config, "moe_router_load_balancing_type", None)
+    if "quantile_balancing" in ([types] if isinstance(types, str) else list(types or ())):
         uses.append("quantile_balancing")
     return uses
 

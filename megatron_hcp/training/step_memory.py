@@ -29,12 +29,12 @@ def counted_schedules(owner: Any, name: str = "get_forward_backward_func"
     from ..attention.reference.memory import LiveBytes
 
     seen: dict[str, int] = {}
-    counters: list[LiveBytes] = []
+    running: list[LiveBytes] = []  # the counter of the schedule running now, if any
     get_schedule, backward_step = getattr(owner, name), schedules.backward_step
 
     def marked_backward(*args, **kwargs):
-        if counters and "activations" not in seen:
-            seen["activations"] = counters[-1].current
+        if running and "activations" not in seen:
+            seen["activations"] = running[0].current
         return backward_step(*args, **kwargs)
 
     def counted_schedule(*args, **kwargs):
@@ -43,8 +43,11 @@ def counted_schedules(owner: Any, name: str = "get_forward_backward_func"
         def run(*run_args, **run_kwargs):
             seen.clear()
             with LiveBytes() as mem:
-                counters.append(mem)
-                result = schedule(*run_args, **run_kwargs)
+                running[:] = [mem]
+                try:
+                    result = schedule(*run_args, **run_kwargs)
+                finally:
+                    running.clear()
             seen["peak"] = mem.peak
             return result
         return run

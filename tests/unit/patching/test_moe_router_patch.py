@@ -6,6 +6,8 @@ refuses of it). Through Bridge's loop: test_bridge_family_dynamic_cp.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from megatron_hcp.patching import by_name
@@ -167,6 +169,20 @@ def _config(**fields):
 ])
 def test_what_a_router_computes_over_its_group(fields, uses):
     assert router_group_uses(_config(**fields)) == uses
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("kinds, uses", [
+    ("quantile_balancing", ["quantile_balancing"]),
+    (["aux_loss", "quantile_balancing"], ["quantile_balancing"]),
+])
+def test_quantile_balancing_gathers_over_the_group_in_either_form(kinds, uses):
+    """0.19.2's quantile balancing gathers logits over the group, named alone or in a list
+    (megatron's config takes both forms; the coefficients here are 0)."""
+    config = types.SimpleNamespace(num_moe_experts=4, moe_router_load_balancing_type=kinds,
+                                   moe_aux_loss_coeff=[0.0, 0.0] if isinstance(kinds, list)
+                                   else 0.0, moe_z_loss_coeff=None)
+    assert router_group_uses(config) == uses
 
 
 @pytest.mark.pure
