@@ -91,7 +91,7 @@ from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
 from megatron_hcp.attention.reference.fused import FUSED_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.attention.reference.varlen import VARLEN_MODES  # noqa: E402
-from megatron_hcp.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
     destroy_groups,  # noqa: E402
     new_groups,  # noqa: E402

@@ -40,7 +40,7 @@ from megatron_hcp.attention.reference.memory_proxy import (  # noqa: E402
     floor_bytes,
     rank_memory,
 )
-from megatron_hcp.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
 
 COMMS = ("p2p", "a2a", "a2a+p2p", "all_gather")
 VARIANTS = {  # name -> MemoryCase fields (the window's size is set from the sequence)

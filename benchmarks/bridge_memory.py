@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_hcp.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
 
 RECIPE = "tiny_llama_pretrain_config"
 

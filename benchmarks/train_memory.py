@@ -27,7 +27,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_hcp.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
 
 WORLD = 4  # ranks (DP = WORLD / CP); --world 8 reaches CP 8
 

@@ -14,9 +14,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .atomic_write import OutputPathError, OutputWriteError
 from .command_line import NamedStream, Parser, UsageError, one_line
 from .dynamic_cp.command import SCHEDULE_MAX_DP_CP  # noqa: F401 - its old home
+from .files.atomic_write import OutputPathError, OutputWriteError
 from .functional.signals import Terminated
 from .parallel_state.command import MAX_LOCAL_RANKS  # noqa: F401 - its old home
 

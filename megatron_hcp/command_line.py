@@ -48,7 +48,7 @@ def one_line(err: BaseException) -> str:
 
 def output_file(path: str, flag: str = "--plot") -> Path:
     """``path`` checked as a file the command may write (its folder exists, it is no folder)."""
-    from .atomic_write import OutputPathError, check_output_file
+    from .files.atomic_write import OutputPathError, check_output_file
 
     try:
         return check_output_file(path, flag)
@@ -65,13 +65,13 @@ class NamedStream:
         self.stream, self.name = stream, name
 
     def write(self, text: str) -> int:
-        from .atomic_write import naming_write_errors
+        from .files.atomic_write import naming_write_errors
 
         with naming_write_errors(self.name):
             return self.stream.write(text)
 
     def flush(self) -> None:
-        from .atomic_write import naming_write_errors
+        from .files.atomic_write import naming_write_errors
 
         with naming_write_errors(self.name):
             self.stream.flush()
@@ -84,8 +84,8 @@ def read_lengths(path: str, flag: str = "--lengths") -> list[int]:
     """The one reader of a global batch's sequence lengths: a non-empty JSON list of at most
     ``MAX_SEQUENCES`` integers, each in 1..``MAX_SEQ_LENGTH`` (bounded reader; nothing
     coerced: ``2.5``, ``"7"`` and ``true`` are not lengths)."""
-    from .bounded_read import InputFileError, read_json
     from .config import MAX_SEQ_LENGTH, MAX_SEQUENCES, CPConfigError, parse_int
+    from .files.bounded_read import InputFileError, read_json
 
     try:
         lengths = read_json(path, flag)

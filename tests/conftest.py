@@ -1,5 +1,6 @@
-"""Shared fixtures: one reusable gloo world per test module (see megatron_hcp.local_world), and
-the two kinds of test: ``multirank`` (a module's ``pytestmark``: it starts ranks or processes)
+"""Shared fixtures: one reusable gloo world per test module (see
+megatron_hcp.harness.local_world), and the two kinds of test: ``multirank`` (a module's
+``pytestmark``: it starts ranks or processes)
 and ``pure`` (every other test, checked: it starts none)."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_hcp.local_world import LocalWorld
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.local_world import LocalWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

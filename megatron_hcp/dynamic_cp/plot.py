@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..atomic_write import save_figure
+from ..files.atomic_write import save_figure
 from .scheduler import Plan
 from .workload import GPTWorkload
 

@@ -4,14 +4,15 @@
 on each, one step of exactly what ``functional run --platform gpu_nccl`` runs there (the same
 :func:`~.worker.train_recipe` / :func:`~.bridge_worker.train_bridge_recipe`, the same patches,
 no CPU runtime): model build, forward, loss, backward, optimizer step and, with dynamic CP, the
-data path - inside :func:`megatron_hcp.virtual_cuda.virtual_cuda`, where ``cuda`` tensors hold
-their data on the CPU and every op that would mix devices on the GPU is recorded with its
+data path - inside :func:`megatron_hcp.harness.virtual_cuda.virtual_cuda`, where ``cuda``
+tensors hold their data on the CPU and every op that would mix devices on the GPU is recorded with
+its
 file:line. Every rank runs, so every rank role (first / last pipeline stage, TP and CP ranks,
 idle dynamic-CP positions) is audited at once; the ranks' collectives are real.
 ``platform="cpu_gloo"`` audits the CPU run instead, on a machine whose torch reports CUDA: every
 use of CUDA by the run's code is a finding.
 
-The emulation changes the process for good (see :mod:`megatron_hcp.virtual_cuda`): the audit
+The emulation changes the process for good (see :mod:`megatron_hcp.harness.virtual_cuda`): the audit
 refuses a process where the CPU runtime patches are applied (they would hide the mixes) and
 should run in ranks of its own (``audit_recipe`` starts them).
 """
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..virtual_cuda import DeviceMix
+from ..harness.virtual_cuda import DeviceMix
 
 __all__ = ["AuditError", "AuditReport", "audit_rank", "audit_recipe"]
 
@@ -144,7 +145,7 @@ def _step(recipe: Any, platform: str, steps: int, *, forward_stacks: bool) -> li
     import torch
     import torch.distributed as dist
 
-    from ..virtual_cuda import virtual_cuda
+    from ..harness.virtual_cuda import virtual_cuda
     from .bridge_recipe import BridgeRecipe
 
     gpu = platform == "gpu_nccl"
@@ -177,9 +178,9 @@ def _step(recipe: Any, platform: str, steps: int, *, forward_stacks: bool) -> li
 def audit_recipe(recipe: Any, *, steps: int = 1, platform: str = PLATFORM,
                  world: Any = None) -> AuditReport:
     """Audit ``recipe`` (a loaded recipe) on its ranks (see :func:`audit_rank`): ``world`` is a
-    :class:`~megatron_hcp.local_world.LocalWorld` of ``recipe.nproc`` ranks kept for audits,
+    :class:`~megatron_hcp.harness.local_world.LocalWorld` of ``recipe.nproc`` ranks kept for audits,
     or None to start one for this call."""
-    from ..local_world import LocalWorld
+    from ..harness.local_world import LocalWorld
 
     if world is None:
         # not daemonic: megatron's checkpoint writer (a finetune's base checkpoint) starts a

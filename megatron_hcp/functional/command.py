@@ -52,7 +52,7 @@ def _recipes(args: argparse.Namespace) -> list[Any]:
     _check_goldens(recipes, args.launch.platform,
                    read=args.functional_command in ("run", "compare"))  # update replaces
     if getattr(args, "plot", None):
-        from ..atomic_write import OutputPathError, check_output_dir
+        from ..files.atomic_write import OutputPathError, check_output_dir
 
         try:
             check_output_dir(args.plot, "--plot")

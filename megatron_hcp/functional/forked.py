@@ -4,8 +4,9 @@ forked from a server that has already imported torch and megatron-core.
 torchrun starts each rank as a fresh interpreter, and importing torch and megatron-core costs
 several CPU-seconds per rank; on a small CPU machine that is most of a short recipe's time.
 Here the ranks are forked from :mod:`multiprocessing`'s forkserver (shared by every world of
-this process, see :mod:`megatron_hcp.local_world`), so each run still gets fresh processes but
-the imports are paid once per process. Each rank sees what torchrun would give it (``RANK``,
+this process, see :mod:`megatron_hcp.harness.local_world`), so each run still gets fresh
+processes but the imports are paid once per process. Each rank sees what torchrun would give it
+(``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store this process owns)
 and runs the same ``main(argv)`` of the worker module; its output goes to a log that the
 caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail ends the others,
@@ -33,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..local_world import PRELOAD, environment
+from ..harness.local_world import PRELOAD, environment
 from .signals import end_processes, signal_of
 
 __all__ = ["run_forked"]

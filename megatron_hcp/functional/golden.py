@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..atomic_write import (
+from ..config import MAX_INT, MAX_STEPS
+from ..files.atomic_write import (
     OutputPathError,
     check_output_dir,
     naming_write_errors,
     reclaim_temps,
     write_atomic,
 )
-from ..bounded_read import InputFileError, read_json
-from ..config import MAX_INT, MAX_STEPS
+from ..files.bounded_read import InputFileError, read_json
 
 __all__ = ["GATED", "MIN_FRACTION", "Comparison", "GoldenError", "compare", "golden_lock",
            "golden_steps", "load_golden", "replace_golden", "to_golden", "validate_golden",

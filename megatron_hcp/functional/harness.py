@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..atomic_write import reclaim_temps
-from ..bounded_read import read_json
+from ..files.atomic_write import reclaim_temps
+from ..files.bounded_read import read_json
 from .bridge_recipe import BridgeRecipe
 from .golden import Comparison, compare, golden_lock, load_golden, replace_golden
 from .launch import Launch

@@ -62,11 +62,12 @@ _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 def init_rank_process_group(platform: str) -> None:
     """A recipe rank's default process group for ``platform`` (torchrun's environment); a gloo
-    rank first makes its groups share one transport device (:mod:`megatron_hcp.gloo_device`)."""
+    rank first makes its groups share one transport device
+    (:mod:`megatron_hcp.harness.gloo_device`)."""
     import torch.distributed as dist
 
     if BACKENDS[platform] == "gloo":
-        from ..gloo_device import share_gloo_device
+        from ..harness.gloo_device import share_gloo_device
 
         share_gloo_device()
     dist.init_process_group(BACKENDS[platform])

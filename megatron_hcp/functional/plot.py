@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..atomic_write import naming_write_errors, save_figure
+from ..files.atomic_write import naming_write_errors, save_figure
 from .harness import RecipeResult
 
 __all__ = ["plot_result"]

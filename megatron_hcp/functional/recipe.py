@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bounded_read import InputFileError, read_yaml
 from ..config import (
     FIELD_KINDS,
     MAX_SEQ_LENGTH,
@@ -35,7 +34,8 @@ from ..config import (
     parse_value,
 )
 from ..config.errors import closest
-from ..data import data_dir
+from ..files.bounded_read import InputFileError, read_yaml
+from ..files.data import data_dir
 from ..training.data import CORPORA
 from ..training.trainer import TinyGPTSpec, VarLen
 from .allowances import Allowed

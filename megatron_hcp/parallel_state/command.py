@@ -85,7 +85,7 @@ def _verify_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _verify_groups(args: argparse.Namespace) -> int:
-    from ..local_world import LocalWorld
+    from ..harness.local_world import LocalWorld
     from .selfcheck import check_mpu_groups
 
     kwargs = args.checked

@@ -39,12 +39,12 @@ def destroy_groups(groups: Any) -> None:
 
     gloo keeps threads and sockets per group: groups that are only forgotten pile up and slow
     every later collective of the process. The groups of rank threads
-    (:mod:`~megatron_hcp.threaded_world`) hold nothing native and go with their world: torch's
-    threaded registry cannot destroy one alone, so they are left to it.
+    (:mod:`~megatron_hcp.harness.threaded_world`) hold nothing native and go with their world:
+    torch's threaded registry cannot destroy one alone, so they are left to it.
     """
     from torch.distributed import distributed_c10d as c10d
 
-    from ..threaded_world import BACKEND as THREADED
+    from ..harness.threaded_world import BACKEND as THREADED
 
     live = c10d._world.pg_map
     seen: set[int] = set()

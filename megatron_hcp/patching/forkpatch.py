@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic_write import Step
-from ..data import data_dir
+from ..files.atomic_write import Step
+from ..files.data import data_dir
 from .registry import Patch, PatchError, version_key
 from .transaction import (
     DEFAULT_LOCK_TIMEOUT,

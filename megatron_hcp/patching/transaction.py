@@ -17,7 +17,7 @@
   files are removed, and the message says which it was and which files changed. A file that
   holds neither its old nor its new content (edited since) stops the recovery, naming it.
 
-Every write goes through :func:`~megatron_hcp.atomic_write.write_atomic` (unique temporary
+Every write goes through :func:`~megatron_hcp.files.atomic_write.write_atomic` (unique temporary
 file, fsync, rename) and calls ``on_step`` first: the fault-injection point of the crash tests.
 
 **Inside the target, bytes as they are**: no link is followed. The lock file is opened with
@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic_write import Step, fsync_dir, reclaim_temps, write_atomic
-from ..bounded_read import InputFileError, read_json
+from ..files.atomic_write import Step, fsync_dir, reclaim_temps, write_atomic
+from ..files.bounded_read import InputFileError, read_json
 from .registry import PatchError
 
 __all__ = ["DEFAULT_LOCK_TIMEOUT", "JOURNAL_DIR", "LOCK_FILE", "Notify", "journal_present",

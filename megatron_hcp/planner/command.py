@@ -228,7 +228,7 @@ def calibration_line() -> str:
 def check(args: argparse.Namespace):
     """Every input of ``plan`` read and bounded, and the ``--plot`` path checked, before any
     layout is estimated: (model, batch, cluster, options). Raises ValueError (one line)."""
-    from ..atomic_write import check_output_file
+    from ..files.atomic_write import check_output_file
 
     args.plot_path = check_output_file(args.plot, "--plot") if args.plot is not None else None
     return _build(args)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bounded_read import InputFileError, loads_yaml, read_text
 from ..config import (
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
@@ -22,6 +21,7 @@ from ..config import (
     parse_value,
 )
 from ..dynamic_cp.workload import GPTWorkload
+from ..files.bounded_read import InputFileError, loads_yaml, read_text
 
 __all__ = ["PLAN_MAX_GPUS", "PLAN_MAX_SEQUENCES", "PLAN_MAX_VARLEN_GPUS",
            "PLAN_MAX_VARLEN_SEQUENCES", "Batch", "ModelSpec", "Options",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..atomic_write import save_figure
+from ..files.atomic_write import save_figure
 from .estimate import Estimate, Layout
 
 __all__ = ["bridge_overrides", "dominant", "flag_notes", "megatron_flags", "plot_breakdown",

@@ -1,7 +1,7 @@
 """Per-rank checkpoints that cannot be half-written, silently corrupted or read from elsewhere.
 
 ``<dir>/iter_<step>/rank_<r>.pt`` per rank, written atomically
-(:func:`~megatron_hcp.atomic_write.write_atomic`) and holding this rank's state with its rank,
+(:func:`~megatron_hcp.files.atomic_write.write_atomic`) and holding this rank's state with its rank,
 world size and step. When every rank has written its file, rank 0 writes ``manifest.json`` last
 (files, sizes, sha256; same atomic write): an iteration without a manifest is incomplete.
 
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..atomic_write import write_atomic
-from ..bounded_read import InputFileError, read_json
+from ..files.atomic_write import write_atomic
+from ..files.bounded_read import InputFileError, read_json
 
 __all__ = ["MANIFEST", "CheckpointError", "iteration_dir", "load_checkpoint", "save_checkpoint"]
 

@@ -14,8 +14,8 @@ from megatron_hcp.functional.audit import AuditReport, audit_rank, audit_recipe
 from megatron_hcp.functional.bridge_recipe import BridgeRecipe, bridge_available
 from megatron_hcp.functional.harness import recipe_dir
 from megatron_hcp.functional.recipe import list_recipes, load_recipe
-from megatron_hcp.local_world import LocalWorld
-from megatron_hcp.virtual_cuda import DeviceMix
+from megatron_hcp.harness.local_world import LocalWorld
+from megatron_hcp.harness.virtual_cuda import DeviceMix
 
 RECIPES = {name: load_recipe(recipe_dir(name)) for name in list_recipes()}
 BRIDGE_MISSING = bridge_available()
@@ -156,7 +156,7 @@ def audit_cp_attention_steps() -> tuple[list[dict], list[str]]:
     from megatron_hcp.attention.reference.blocks import plan_block
     from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
     from megatron_hcp.attention.reference.seq_layout import SeqLayout
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     rank = dist.get_rank()
     with virtual_cuda(rank) as audit:
@@ -181,7 +181,7 @@ def audit_varlen_calls() -> tuple[list[dict], dict]:
     from megatron_hcp.attention.reference import varlen
     from megatron_hcp.attention.reference.blocks import BlockCounter
     from megatron_hcp.attention.reference.launch_proxy import LaunchCase, rank_launches
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     cases = (LaunchCase("thd pieces", "p2p", 4, fmt="thd", split="on"),
              LaunchCase("thd window", "p2p", 4, fmt="thd", window=(40, 0), split="on"),
@@ -259,7 +259,7 @@ def test_the_audit_finds_the_h100_cpu_run_failure(worlds):
 @pytest.mark.multirank
 def test_the_audit_refuses_a_process_with_the_cpu_runtime(worlds):
     recipe = RECIPES["gpt3_mcore_tp1_pp1_cp4_p2p"]
-    from megatron_hcp.local_world import RankError
+    from megatron_hcp.harness.local_world import RankError
 
     with pytest.raises(RankError, match="CPU runtime patches applied"):
         worlds(recipe.nproc).run(audit_after_the_cpu_runtime, str(recipe.path))

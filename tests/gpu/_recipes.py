@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_hcp.bounded_read import read_yaml
+from megatron_hcp.files.bounded_read import read_yaml
 from megatron_hcp.functional.harness import RECIPES_DIR, recipe_dir
 from megatron_hcp.functional.recipe import list_recipes, load_recipe
 

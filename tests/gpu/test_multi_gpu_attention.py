@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 from tests.gpu._need import gpu_count, needs
 from tests.unit.attention.test_cp_attention import (
     COMMS,

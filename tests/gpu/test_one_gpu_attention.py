@@ -1,5 +1,5 @@
 """One GPU: the reference CP attention's CUDA path against the oracle, with several CP ranks as
-threads on the one GPU (megatron_hcp.threaded_world: the project's collectives on CUDA
+threads on the one GPU (megatron_hcp.harness.threaded_world: the project's collectives on CUDA
 tensors), the fused kernels the blocks take, and the per-block speed against one SDPA call."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron_hcp.attention.reference import (
 from megatron_hcp.attention.reference.block_cost import measure_block_cost
 from megatron_hcp.attention.reference.fused import _Compiled, fuses
 from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
 from tests.unit.attention.test_cp_attention import (
     COMMS,

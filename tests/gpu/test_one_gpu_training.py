@@ -14,7 +14,7 @@ from megatron_hcp.functional.golden import compare, load_golden
 from megatron_hcp.functional.harness import run_recipe
 from megatron_hcp.functional.launch import Launch
 from megatron_hcp.functional.recipe import load_recipe
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 from tests.gpu._need import needs
 from tests.gpu._recipes import one_rank_families, one_rank_golden, one_rank_recipe
 
@@ -139,6 +139,7 @@ def threads_of_one_process(device: str):
 
     import megatron.core.tensor_parallel.random as mp_random
 
+    from megatron_hcp.harness.threaded_world import ThreadedWorld
     from megatron_hcp.patching import (
         DECENTRALIZED_PATCHES,
         apply,
@@ -146,7 +147,6 @@ def threads_of_one_process(device: str):
         by_name,
         revert,
     )
-    from megatron_hcp.threaded_world import ThreadedWorld
 
     seed, lock = mp_random.model_parallel_cuda_manual_seed, threading.Lock()
 

@@ -58,9 +58,8 @@ def _under(name: str, package: str) -> bool:
 # modules of its own floor and of the floors below it, never one of a floor above (lazy imports
 # included); packages that share a floor do not import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("config", "sharding", "data", "bounded_read", "atomic_write", "group_release",
-                    "gloo_device", "local_world", "threaded_world", "virtual_cuda",
-                    "command_line")),
+    ("foundation", ("config", "sharding", "files", "group_release", "command_line")),
+    ("harness", ("harness",)),
     ("process groups", ("parallel_state",)),
     ("attention and dynamic CP", ("attention", "dynamic_cp", "layers")),
     ("patches", ("patching",)),
@@ -70,13 +69,24 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("cli",)),
 ]
 # the foundation imports nothing of the project but this
-FOUNDATION_IMPORTS = {("megatron_hcp.threaded_world", "megatron_hcp.local_world"),
-                      ("megatron_hcp.local_world", "megatron_hcp.group_release"),
-                      ("megatron_hcp.local_world", "megatron_hcp.gloo_device"),
-                      # what every subcommand shares reads with the foundation's own readers
+FOUNDATION_IMPORTS = {# what every subcommand shares reads with the foundation's own readers
                       ("megatron_hcp.command_line", "megatron_hcp.config"),
-                      ("megatron_hcp.command_line", "megatron_hcp.bounded_read"),
-                      ("megatron_hcp.command_line", "megatron_hcp.atomic_write")}
+                      ("megatron_hcp.command_line", "megatron_hcp.files.bounded_read"),
+                      ("megatron_hcp.command_line", "megatron_hcp.files.atomic_write")}
+# the package root: the package's own __init__ and at most this many modules; the rest lives in
+# subpackages that say what they hold
+ROOT_MODULES_MAX = 6
+# the product modules that use the harness (local ranks, the emulated GPU): to start ranks
+# (verify-groups, the functional launcher, the device audit) and to leave the groups of rank
+# threads to their world; any other use fails test_the_product_uses_the_harness_only_to_start_ranks
+HARNESS_USERS = {
+    ("megatron_hcp.parallel_state.command", "megatron_hcp.harness.local_world"),
+    ("megatron_hcp.parallel_state.groups", "megatron_hcp.harness.threaded_world"),
+    ("megatron_hcp.functional.audit", "megatron_hcp.harness.local_world"),
+    ("megatron_hcp.functional.audit", "megatron_hcp.harness.virtual_cuda"),
+    ("megatron_hcp.functional.forked", "megatron_hcp.harness.local_world"),
+    ("megatron_hcp.functional.launch", "megatron_hcp.harness.gloo_device"),
+}
 # imports between packages of one floor that are known and still to be moved (with the reason)
 KNOWN_SIDEWAYS: dict[tuple[str, str], str] = {}
 
@@ -94,6 +104,17 @@ def test_every_module_is_on_one_floor():
         if name != "megatron_hcp":
             _place(name)
     assert not GRAPH["megatron_hcp"], "the root package imports nothing of the project"
+
+
+def test_the_package_root_holds_few_modules():
+    root = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    assert len(root) <= ROOT_MODULES_MAX, root
+
+
+def test_the_product_uses_the_harness_only_to_start_ranks():
+    users = {(src, dst) for src, deps in GRAPH.items() if not _under(src, "megatron_hcp.harness")
+             for dst in deps if _under(dst, "megatron_hcp.harness")}
+    assert users == HARNESS_USERS, sorted(users ^ HARNESS_USERS)
 
 
 def test_no_module_imports_a_higher_floor():

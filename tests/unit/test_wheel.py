@@ -55,7 +55,8 @@ def wheel_env(tmp_path_factory):
 def test_the_wheel_carries_recipes_and_diffs(wheel_env):
     bin_dir, work = wheel_env
     where = _run([str(bin_dir / "python"), "-c",
-                  "import megatron_hcp, megatron_hcp.data as d; print(megatron_hcp.__file__); "
+                  "import megatron_hcp, megatron_hcp.files.data as d; "
+                  "print(megatron_hcp.__file__); "
                   "print(d.data_dir('recipes')); print(d.data_dir('patches'))"], cwd=work)
     assert where.returncode == 0, where.stderr
     package, recipes, patches = where.stdout.split()

@@ -2,7 +2,7 @@
 
 The case runner (:func:`run_cases`) takes the device as a parameter and keeps its process groups
 per rank thread, so the same cases also run as threads of one process on CPU or CUDA tensors
-(``megatron_hcp.threaded_world``: ``tests/unit/foundation/test_threaded_world.py``,
+(``megatron_hcp.harness.threaded_world``: ``tests/unit/harness/test_threaded_world.py``,
 ``tests/gpu``)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
     pad_thd,
 )
-from megatron_hcp.local_world import RankError
+from megatron_hcp.harness.local_world import RankError
 from megatron_hcp.parallel_state.groups import new_groups
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups
 from megatron_hcp.sharding import ShardingError, layout_unit, padded_length
@@ -195,7 +195,7 @@ def failures_of(cases, per_rank):
 
 # ------------------------------------------------------------------ the oracle cases
 # One definition of every case list, used by the tests below (gloo processes), by the threaded
-# ranks on CPU (tests/unit/foundation/test_threaded_world.py) and on one GPU (tests/gpu).
+# ranks on CPU (tests/unit/harness/test_threaded_world.py) and on one GPU (tests/gpu).
 def matrix_cases(comm, fmt, mode="zigzag"):
     """causal/full x MHA/GQA/KV replication x CP 2/4 x fp64/fp32."""
     return [

@@ -22,7 +22,7 @@ from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank
 from megatron_hcp.attention.reference.blocks import BlockMask, _additive_fused
 from megatron_hcp.attention.reference.fused import FUSED_ENV, fused_mode, fuses, fusing
 from megatron_hcp.attention.reference.merge import merge_into
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_cp_attention import (
     WORLD,
     failures_of,

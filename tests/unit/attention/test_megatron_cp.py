@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hcp.local_world import RankError
+from megatron_hcp.harness.local_world import RankError
 from megatron_hcp.parallel_state.groups import destroy_groups
 
 WORLD = 4

@@ -23,7 +23,7 @@ from megatron_hcp.attention.reference.pieces import (
     splitting,
 )
 from megatron_hcp.attention.reference.seq_layout import CPAttentionError, SeqLayout
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_cp_attention import (
     COMMS,
     MODES,

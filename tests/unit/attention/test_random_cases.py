@@ -37,8 +37,8 @@ from megatron_hcp.attention.reference.pieces import splitting
 from megatron_hcp.attention.reference.varlen import (
     varlening,
 )
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from megatron_hcp.sharding import layout_unit
-from megatron_hcp.threaded_world import ThreadedWorld
 from tests.unit.attention.conftest import reference_as_fa2
 from tests.unit.attention.test_cp_attention import cp_groups
 

@@ -43,7 +43,7 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
     pad_thd,
 )
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_attention_kernels import TE_GQA_TOL
 from tests.unit.attention.test_cp_attention import COMMS, FORMATS, cp_groups
 

@@ -36,7 +36,7 @@ from megatron_hcp.attention.reference.varlen import (
     varlen_takes,
     varlening,
 )
-from megatron_hcp.threaded_world import ThreadedWorld
+from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_cp_attention import (
     COMMS,
     MODES,

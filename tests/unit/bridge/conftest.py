@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 
 BRIDGE_WORLD = 4
 

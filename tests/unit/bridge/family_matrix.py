@@ -82,7 +82,7 @@ def _header(world: int, steps: int) -> str:
 
 
 def main() -> None:
-    from megatron_hcp.local_world import LocalWorld
+    from megatron_hcp.harness.local_world import LocalWorld
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, choices=(4, 8), default=8)

@@ -317,7 +317,7 @@ def main() -> None:
     CP4 [2,2], one run of 8 ranks at a time)."""
     import tempfile
 
-    from megatron_hcp.local_world import LocalWorld
+    from megatron_hcp.harness.local_world import LocalWorld
     from tests.unit.bridge._families import write_tiny_config
 
     parser = argparse.ArgumentParser(description="Qwen3-MoE HCP vs CP=1 through Bridge's loop")

@@ -565,7 +565,7 @@ def main() -> None:
     import json
     import tempfile
 
-    from megatron_hcp.local_world import LocalWorld
+    from megatron_hcp.harness.local_world import LocalWorld
     from tests.unit.bridge._families import write_tiny_config
 
     parser = argparse.ArgumentParser(description="one Qwen3-MoE SFT run through Bridge's loop")

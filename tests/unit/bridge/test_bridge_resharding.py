@@ -318,7 +318,7 @@ def main() -> None:
     import time
     from pathlib import Path
 
-    from megatron_hcp.local_world import LocalWorld
+    from megatron_hcp.harness.local_world import LocalWorld
     from tests.unit.bridge._families import write_tiny_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

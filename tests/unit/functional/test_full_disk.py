@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hcp import cli
-from megatron_hcp.atomic_write import (
+from megatron_hcp.files.atomic_write import (
     OutputPathError,
     OutputWriteError,
     check_output_dir,

@@ -120,7 +120,7 @@ def test_a_killed_writer_leaves_no_stray_temporary_file_for_the_next_run(tmp_pat
     removes it, and keeps the temporary file of a writer that is still running."""
     import os
 
-    from megatron_hcp.atomic_write import write_atomic
+    from megatron_hcp.files.atomic_write import write_atomic
 
     path = tmp_path / "golden_values_dev_cpu_gloo.json"
     path.write_text(json.dumps(to_golden(metrics(GOOD))))

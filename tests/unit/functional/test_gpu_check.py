@@ -16,7 +16,7 @@ import yaml
 from megatron_hcp.functional.bridge_recipe import bridge_available
 from megatron_hcp.functional.harness import recipe_dir
 from megatron_hcp.functional.recipe import load_recipe
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 from tests.gpu._recipes import (
     ONE_RANK_SOURCE,
     one_rank_families,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.config import CPConfigError
-from megatron_hcp.local_world import RankError
+from megatron_hcp.harness.local_world import RankError
 from megatron_hcp.parallel_state.groups import create_hierarchical_groups, destroy_groups
 from megatron_hcp.parallel_state.layout import ParallelLayout
 from megatron_hcp.parallel_state.mpu import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hcp.cli import main as cli_main
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 from megatron_hcp.patching import ALL_PATCHES, PatchError, megatron_core_version
 from megatron_hcp.patching.forkpatch import (
     PATCHES_DIR,

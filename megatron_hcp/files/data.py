@@ -11,8 +11,8 @@ from pathlib import Path
 
 __all__ = ["data_dir"]
 
-_PACKAGED = Path(__file__).resolve().parent / "_data"
-_SOURCE_TREE = Path(__file__).resolve().parents[1]
+_PACKAGED = Path(__file__).resolve().parents[1] / "_data"
+_SOURCE_TREE = Path(__file__).resolve().parents[2]
 _IN_SOURCE = {"recipes": ("tests", "functional", "test_cases"), "patches": ("patches",)}
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from megatron_hcp.gloo_device import _devices, gloo_device_shared
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.gloo_device import _devices, gloo_device_shared
+from megatron_hcp.harness.local_world import LocalWorld
 
 GROUPS = 6
 

@@ -1,5 +1,6 @@
-"""The emulated CUDA device (megatron_hcp.virtual_cuda): devices reported as on a GPU, every mix
-found - forward, backward, collectives - and none where CUDA would run; a CPU run's uses of CUDA.
+"""The emulated CUDA device (megatron_hcp.harness.virtual_cuda): devices reported as on a
+GPU, every mix found - forward, backward, collectives - and none where CUDA would run; a CPU run's
+uses of CUDA.
 
 The emulation changes its process for good (torch believes CUDA was initialized), so every case
 runs in the ranks of one pooled world (2 gloo ranks, for the collectives)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hcp.local_world import LocalWorld
+from megatron_hcp.harness.local_world import LocalWorld
 
 WORLD = 2
 
@@ -29,7 +30,7 @@ def devices_as_on_a_gpu() -> dict:
     """What Python code sees of tensors and of torch.cuda."""
     import torch.distributed as dist
 
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     rank = dist.get_rank()
     with virtual_cuda(rank) as audit:
@@ -60,7 +61,7 @@ def devices_as_on_a_gpu() -> dict:
 
 
 def a_forward_mix() -> list[str]:
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     with virtual_cuda(0) as audit:
         x = torch.randn(4, device="cuda")
@@ -86,7 +87,7 @@ class _BackwardOnCpu(torch.autograd.Function):
 
 
 def backward_mixes_and_clean_backwards() -> dict:
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     out: dict = {}
     with virtual_cuda(0) as clean:
@@ -105,7 +106,7 @@ def backward_mixes_and_clean_backwards() -> dict:
 
 
 def random_ops_use_the_device_generator() -> dict:
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     with virtual_cuda(0):
         torch.cuda.manual_seed(7)
@@ -122,7 +123,7 @@ def random_ops_use_the_device_generator() -> dict:
 def collectives_over_nccl_groups() -> list[str]:
     import torch.distributed as dist
 
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     rank = dist.get_rank()
     with virtual_cuda(rank) as audit:
@@ -142,7 +143,7 @@ def collectives_over_nccl_groups() -> list[str]:
 
 
 def cpu_run_findings() -> list[str]:
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     with virtual_cuda(0, cpu_run=True) as audit:
         assert torch.cuda.is_available()  # a machine with CUDA; asking is not using it
@@ -176,7 +177,7 @@ def test_a_forward_mix_is_named_with_its_file_and_line(world):
     lines = world.run(a_forward_mix)[0]
     assert len(lines) == 1, lines  # scalars, CPU indices and copies are no mixes
     assert lines[0].startswith("device mix: aten.mul.Tensor on cuda:0 and cpu at "
-                               "tests/unit/functional/test_virtual_cuda.py:")
+                               "tests/unit/harness/test_virtual_cuda.py:")
     assert "in a_forward_mix" in lines[0]
 
 
@@ -189,7 +190,7 @@ def test_backward_mixes_are_found_and_torch_backwards_are_clean(world):
     bad = got["bad"][0]
     assert bad["phase"] == "backward" and bad["op"] == "aten.mul.Tensor"
     # located at the forward op of the node whose backward mixed
-    assert "tests/unit/functional/test_virtual_cuda.py:" in bad["location"]
+    assert "tests/unit/harness/test_virtual_cuda.py:" in bad["location"]
     assert "backward_mixes_and_clean_backwards" in bad["location"]
 
 
@@ -215,12 +216,12 @@ def test_a_cpu_run_reports_its_own_uses_of_cuda(world):
     lines = world.run(cpu_run_findings)[0]
     assert len(lines) == 2, lines
     assert lines[0].startswith("CUDA used by a CPU run: torch.cuda.get_rng_state() at "
-                               "tests/unit/functional/test_virtual_cuda.py:")
+                               "tests/unit/harness/test_virtual_cuda.py:")
     assert lines[1].startswith("CUDA used by a CPU run: a tensor placed on cuda:0 at")
 
 
 def test_bad_index_is_refused():
-    from megatron_hcp.virtual_cuda import virtual_cuda
+    from megatron_hcp.harness.virtual_cuda import virtual_cuda
 
     with pytest.raises(ValueError, match="index=8 must be in 0..7"):
         with virtual_cuda(8):

@@ -9,7 +9,7 @@ machine with fewer cores than ranks take CPU from the ranks and delay every coll
 :func:`share_gloo_device` makes the groups this process creates afterwards use one device
 (gloo runs many contexts on one device, as on one network card). The groups, their algorithms,
 ranks and results are unchanged; only the threads are fewer. It is used by the processes
-megatron-hcp starts for CPU runs (:mod:`megatron_hcp.local_world` ranks and the functional
+megatron-hcp starts for CPU runs (:mod:`megatron_hcp.harness.local_world` ranks and the functional
 recipes' workers) before their first group. ``GLOO_SOCKET_IFNAME`` is honoured as torch honours
 it: one device per interface it lists.
 """

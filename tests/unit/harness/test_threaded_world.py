@@ -1,5 +1,6 @@
-"""Ranks as threads (megatron_hcp.threaded_world) on CPU tensors: the harness the one-GPU suite
-(tests/gpu) runs on CUDA tensors, here exercised with every CP attention oracle case."""
+"""Ranks as threads (megatron_hcp.harness.threaded_world) on CPU tensors: the harness the
+one-GPU suite (tests/gpu) runs on CUDA tensors, here exercised with every CP attention oracle
+case."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.attention.reference.kernels import CPU_FLASH, MATH
-from megatron_hcp.local_world import RankError
-from megatron_hcp.threaded_world import ThreadedWorld, ThreadedWorldError
+from megatron_hcp.harness.local_world import RankError
+from megatron_hcp.harness.threaded_world import ThreadedWorld, ThreadedWorldError
 from tests.gpu.test_one_gpu_attention import kernels_and_errors
 from tests.unit.attention.test_cp_attention import (
     COMMS,

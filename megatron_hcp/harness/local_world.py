@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from .group_release import release_destroyed_groups
+from ..group_release import release_destroyed_groups
 
 __all__ = ["LocalWorld", "PRELOAD", "RankError", "environment"]
 
@@ -191,7 +191,7 @@ class LocalWorld:
         # how much longer than a rank's own timeout run() waits before it calls the rank
         # silent (a rank's collective timeout, raised in the rank, is the better message)
         self.grace_s = grace_s
-        # gloo ranks give all their groups one transport device (megatron_hcp.gloo_device)
+        # gloo ranks give all their groups one transport device (megatron_hcp.harness.gloo_device)
         self.share_gloo_device = share_gloo_device
         self.env = dict(env or {})
         self.preload = PRELOAD if preload is None else preload

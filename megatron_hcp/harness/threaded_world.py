@@ -2,7 +2,7 @@
 
 ``ThreadedWorld(4, device="cuda")`` runs four ranks as threads that share one GPU (or the CPU):
 ``world.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns the per-rank results in
-rank order, like :class:`~megatron_hcp.local_world.LocalWorld` (``fn`` reads its rank from
+rank order, like :class:`~megatron_hcp.harness.local_world.LocalWorld` (``fn`` reads its rank from
 ``torch.distributed.get_rank()``). Collectives are torch's threaded process group
 (``torch.testing._internal.distributed.multi_threaded_pg``: all-to-all, all-gather,
 reduce-scatter, all-reduce, broadcast ... as tensor copies between the ranks' own tensors, on
@@ -279,8 +279,9 @@ class ThreadedWorld:
             **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
-        A rank that raises makes this raise :class:`~megatron_hcp.local_world.RankError`; the
-        world is then closed (the other ranks were released from their collectives) and
+        A rank that raises makes this raise
+        :class:`~megatron_hcp.harness.local_world.RankError`; the world is then closed (the other
+        ranks were released from their collectives) and
         restarts on the next call."""
         self.start()
         assert self._results is not None

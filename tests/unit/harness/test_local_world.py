@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_hcp.local_world import LocalWorld, RankError
+from megatron_hcp.harness.local_world import LocalWorld, RankError
 
 pytestmark = pytest.mark.multirank  # starts ranks or processes (tests/conftest.py)
 
@@ -46,7 +46,7 @@ def test_gloo_ranks_see_no_gpu_and_may_start_processes_when_not_daemonic():
     """CPU ranks hide the GPUs (nothing in them - torch's own probes included - can initialize
     CUDA on a machine that has it); non-daemonic ranks may start processes (megatron's
     checkpoint writer does) and are closed at exit if their owner did not."""
-    from megatron_hcp.local_world import _OPEN
+    from megatron_hcp.harness.local_world import _OPEN
 
     with LocalWorld(1) as daemonic:
         assert daemonic.run(what_a_rank_sees)[0] == ("", True, True)
