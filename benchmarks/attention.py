@@ -88,9 +88,9 @@ from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
-from megatron_hcp.attention.reference.fused import FUSED_MODES  # noqa: E402
+from megatron_hcp.attention.reference.gpu.fused import FUSED_MODES  # noqa: E402
+from megatron_hcp.attention.reference.gpu.varlen import VARLEN_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
-from megatron_hcp.attention.reference.varlen import VARLEN_MODES  # noqa: E402
 from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
 from megatron_hcp.parallel_state.groups import (
     destroy_groups,  # noqa: E402
@@ -546,10 +546,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.launches:
         from megatron_hcp.attention.reference.launch_proxy import rank_launches
+        from megatron_hcp.parallel_state.groups import bare_cp_groups
 
         with LocalWorld(WORLD, timeout_s=600) as world:
             for fused in (False, True):
-                print("\n".join(launch_table(world.run(rank_launches, fused=fused), fused)))
+                print("\n".join(launch_table(world.run(rank_launches, fused=fused,
+                                                          cp_groups=bare_cp_groups), fused)))
         print("\n".join(packed_call_table([32768, 65536], PACKINGS, [2, 4, 8, 16])))
         return
     gpu = args.device == "cuda"

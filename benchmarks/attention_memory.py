@@ -41,6 +41,7 @@ from megatron_hcp.attention.reference.memory_proxy import (  # noqa: E402
     rank_memory,
 )
 from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
+from megatron_hcp.parallel_state.groups import bare_cp_groups  # noqa: E402
 
 COMMS = ("p2p", "a2a", "a2a+p2p", "all_gather")
 VARIANTS = {  # name -> MemoryCase fields (the window's size is set from the sequence)
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.sequences)
         start = time.monotonic()
         with LocalWorld(cp, timeout_s=3000) as world:
-            per_rank = world.run(rank_memory, tuple(cases), timeout_s=3000)
+            per_rank = world.run(rank_memory, tuple(cases), cp_groups=bare_cp_groups,
+                                 timeout_s=3000)
         for i, case in enumerate(cases):
             rows.append(summarize(case, [ranks[i] for ranks in per_rank]))
         print(f"# CP {cp}: {len(cases)} cases in {time.monotonic() - start:.0f} s",

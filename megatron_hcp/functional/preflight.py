@@ -30,9 +30,8 @@ _MAX_THREADS = 1 << 12
 
 
 def _switches() -> tuple[Any, ...]:
-    from ..attention.reference.fused import FUSED
+    from ..attention.reference.gpu import FUSED, VARLEN
     from ..attention.reference.pieces import SPLIT
-    from ..attention.reference.varlen import VARLEN
 
     return FUSED, SPLIT, VARLEN
 

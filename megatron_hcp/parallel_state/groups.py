@@ -128,3 +128,18 @@ class DefaultBackendDistributed:
 
     def new_subgroups_by_enumeration(self, *args: Any, backend: Any = None, **kwargs: Any):
         return self._real.new_subgroups_by_enumeration(*args, **kwargs)
+
+
+def bare_cp_groups(cp_size: int, hcp_sizes: Sequence[int] | None = None) -> tuple[Any, int]:
+    """This rank's CP group - or its hierarchical level groups, a2a first, where ``hcp_sizes``
+    is given - and its position in it, in a world of CP groups only (consecutive ranks,
+    ``cp_size`` each): what the attention's measuring proxies and benchmarks run on. Every rank
+    calls it with the same arguments in the same order (groups are made collectively)."""
+    world = dist.get_world_size()
+    if cp_size < 1 or world % cp_size:
+        raise ValueError(f"bare_cp_groups: cp_size={cp_size} must divide the world of {world} "
+                         f"ranks; run on a world of a multiple of {cp_size}")
+    flat = [list(range(start, start + cp_size)) for start in range(0, world, cp_size)]
+    if hcp_sizes is None:
+        return new_groups(flat), dist.get_rank() % cp_size
+    return create_hierarchical_groups(flat, list(hcp_sizes)), dist.get_rank() % cp_size

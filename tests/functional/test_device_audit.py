@@ -157,10 +157,11 @@ def audit_cp_attention_steps() -> tuple[list[dict], list[str]]:
     from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
     from megatron_hcp.attention.reference.seq_layout import SeqLayout
     from megatron_hcp.harness.virtual_cuda import virtual_cuda
+    from megatron_hcp.parallel_state.groups import bare_cp_groups
 
     rank = dist.get_rank()
     with virtual_cuda(rank) as audit:
-        rank_launches(CASES, device="cuda")
+        rank_launches(CASES, device="cuda", cp_groups=bare_cp_groups)
         layout = SeqLayout((16, 32), (12, 32), 4, rank % 4, device=f"cuda:{rank}")
         block = plan_block(layout, layout.at(4, 0), True, (6, 0))
         devices = [] if block is None else [str(t.device) for t in (block.rows, block.cols,
@@ -178,10 +179,11 @@ def audit_varlen_calls() -> tuple[list[dict], dict]:
     gradients, the check) is the code under audit."""
     import torch.distributed as dist
 
-    from megatron_hcp.attention.reference import varlen
     from megatron_hcp.attention.reference.blocks import BlockCounter
+    from megatron_hcp.attention.reference.gpu import varlen
     from megatron_hcp.attention.reference.launch_proxy import LaunchCase, rank_launches
     from megatron_hcp.harness.virtual_cuda import virtual_cuda
+    from megatron_hcp.parallel_state.groups import bare_cp_groups
 
     cases = (LaunchCase("thd pieces", "p2p", 4, fmt="thd", split="on"),
              LaunchCase("thd window", "p2p", 4, fmt="thd", window=(40, 0), split="on"),
@@ -195,7 +197,7 @@ def audit_varlen_calls() -> tuple[list[dict], dict]:
     try:
         with virtual_cuda(dist.get_rank()) as audit, BlockCounter() as counter, \
                 varlen.varlening("auto"):
-            rank_launches(cases, device="cuda")
+            rank_launches(cases, device="cuda", cp_groups=bare_cp_groups)
     finally:
         for name, value in saved.items():
             setattr(varlen, name, value)
@@ -208,7 +210,7 @@ def test_varlen_calls_on_emulated_cuda_mix_no_devices(worlds):
     """The varlen calls' own device paths (their offsets built once per packing on the
     attention's device, segments, per-batch results, the kernel check's tensors) mix no
     devices, and every rank took them."""
-    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+    from megatron_hcp.attention.reference.gpu.varlen import VARLEN_KERNEL
 
     for rank, (mixes, kernels) in enumerate(worlds(4).run(audit_varlen_calls)):
         assert not mixes, _mixes([mixes])[0][0].line()

@@ -61,7 +61,7 @@ def describe() -> tuple[list[str], int]:
     import megatron_hcp
 
     lines.append(f"megatron-hcp: {megatron_hcp.__path__[0]}")
-    from megatron_hcp.attention.reference.fused import fused_mode, fuses
+    from megatron_hcp.attention.reference.gpu.fused import fused_mode, fuses
 
     fused = gpus and fuses(torch.device("cuda"))
     lines.append(f"CP attention merges and masks on CUDA: "

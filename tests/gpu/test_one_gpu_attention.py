@@ -17,7 +17,7 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
 )
 from megatron_hcp.attention.reference.block_cost import measure_block_cost
-from megatron_hcp.attention.reference.fused import _Compiled, fuses
+from megatron_hcp.attention.reference.gpu.fused import _Compiled, fuses
 from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
 from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
@@ -167,7 +167,7 @@ def test_the_fused_merge_is_as_few_triton_kernels_as_counted_and_exact(report, b
     from torch._inductor.utils import run_and_get_code
 
     from megatron_hcp.attention.reference import merge as merge_module
-    from megatron_hcp.attention.reference.fused import fusing
+    from megatron_hcp.attention.reference.gpu.fused import fusing
     from megatron_hcp.attention.reference.merge import merge_into
     from tests.unit.attention.test_fused_ops import _problem, generated_kernels
 
@@ -205,8 +205,8 @@ def test_the_fused_mask_is_one_triton_kernel_and_the_eager_mask(report):
     that see no key."""
     from torch._inductor.utils import run_and_get_code
 
-    from megatron_hcp.attention.reference.blocks import BlockMask, _additive_fused
-    from megatron_hcp.attention.reference.fused import fusing
+    from megatron_hcp.attention.reference.gpu.fused import fusing
+    from megatron_hcp.attention.reference.masks import BlockMask, _additive_fused
     from tests.unit.attention.test_fused_ops import generated_kernels
 
     if not fuses(torch.device("cuda")):
@@ -276,8 +276,8 @@ def _worst(results) -> float:
 
 
 def _in_pieces(cases, split, device, varlen="off"):
+    from megatron_hcp.attention.reference.gpu.varlen import varlening
     from megatron_hcp.attention.reference.pieces import splitting
-    from megatron_hcp.attention.reference.varlen import varlening
 
     with BlockCounter() as counter, splitting(split), varlening(varlen):  # in this rank thread
         errors = run_cases(cases, device)
@@ -317,7 +317,7 @@ def test_flash_varlen_kernel_matches_the_reference(report, dtype):
     small GQA packing with every kind of segment (causal squares, full rectangles, rows
     without keys, keys without rows): the check MEGATRON_HCP_VARLEN=auto makes once per
     process must pass here, or packed blocks never take the varlen calls."""
-    from megatron_hcp.attention.reference.varlen import (
+    from megatron_hcp.attention.reference.gpu.varlen import (
         forget_kernel_checks,
         kernel_matches_reference,
     )
@@ -347,7 +347,7 @@ def _as_calls_against(gpu_threads, report, cases, before: str) -> None:
     """Half-precision ``cases`` with their blocks as varlen calls (MEGATRON_HCP_VARLEN=on)
     take only the varlen kernel, build no mask, and are as accurate against the fp64 oracle
     as without the calls (``before``: within twice that error + 1e-2)."""
-    from megatron_hcp.attention.reference.varlen import VARLEN_KERNEL
+    from megatron_hcp.attention.reference.gpu.varlen import VARLEN_KERNEL
 
     calls = gpu_threads.run(_in_pieces, cases, "on", "cuda", "on")
     without = gpu_threads.run(_in_pieces, cases, "on", "cuda", "off")

@@ -201,13 +201,11 @@ def test_no_import_cycle():
             visit(node)
 
 
-# circles that close only through lazy imports (inside functions), left to be cut; any other
-# circle, or one of these gone, fails test_import_circles_through_lazy_imports_are_the_known_ones
-KNOWN_LAZY_CIRCLES = {
-    frozenset({"megatron_hcp.attention.reference.blocks",
-               "megatron_hcp.attention.reference.kernels",
-               "megatron_hcp.attention.reference.varlen"}),
-}
+# circles that close only through lazy imports (inside functions), left to be cut: none (the
+# last, attention/reference's blocks -> varlen -> kernels -> blocks, was cut by giving the masks,
+# the block counter and the kernels' names modules of their own); any circle fails
+# test_import_circles_through_lazy_imports_are_the_known_ones
+KNOWN_LAZY_CIRCLES: set[frozenset[str]] = set()
 
 
 def _circles(graph: dict[str, list[str]]) -> list[set[str]]:
@@ -247,12 +245,41 @@ def _circles(graph: dict[str, list[str]]) -> list[set[str]]:
 
 def test_import_circles_through_lazy_imports_are_the_known_ones():
     """Counting lazy imports too, the only circles are a package's ``__init__`` with its own
-    submodules and :data:`KNOWN_LAZY_CIRCLES` (parallel_state/dynamic.py <->
-    pg_collection.py was cut by moving ``attach_dynamic_cp_groups`` to the collection)."""
+    submodules and :data:`KNOWN_LAZY_CIRCLES`."""
     graph = {n: [d for d in deps if d != n] for n, deps in GRAPH.items()}
     circles = [c for c in _circles(graph)
                if not any(all(_under(m, p) for m in c) for p in c)]
     assert {frozenset(c) for c in circles} == KNOWN_LAZY_CIRCLES
+
+
+GPU_SEAM = "megatron_hcp.attention.reference.gpu"
+
+
+def test_the_gpu_paths_are_reached_through_one_seam():
+    """The attention's GPU-only paths (FlashAttention-2 varlen calls, the compiled merges and
+    masks) are imported through their package alone, never one of its modules, so that the
+    reference path reads on its own; the paths themselves import nothing above the reference
+    path's kernels (no block, function or API module)."""
+    through_modules = sorted((src, dst) for src, deps in GRAPH.items()
+                             if not _under(src, GPU_SEAM)
+                             for dst in deps if _under(dst, GPU_SEAM) and dst != GPU_SEAM)
+    assert through_modules == [], through_modules
+    reference = "megatron_hcp.attention.reference"
+    allowed = {f"{reference}.{m}" for m in ("bands", "kernel_support", "pieces", "seq_layout",
+                                            "switches")}
+    up = sorted((src, dst) for src, deps in GRAPH.items() if _under(src, GPU_SEAM)
+                for dst in deps if not _under(dst, GPU_SEAM) and _under(dst, reference)
+                and dst not in allowed)
+    assert up == [], up
+
+
+def test_no_attention_module_makes_process_groups():
+    """The attention takes its groups as arguments: no module of it imports parallel_state
+    (the measuring proxies get a group maker from their caller)."""
+    bad = sorted((src, dst) for src, deps in GRAPH.items()
+                 if _under(src, "megatron_hcp.attention")
+                 for dst in deps if _under(dst, "megatron_hcp.parallel_state"))
+    assert bad == [], bad
 
 
 def test_the_circle_finder_finds_a_planted_circle():
@@ -280,3 +307,25 @@ def test_every_name_imported_from_config_exists():
     assert {"CPConfig", "CPConfigError", "parse_value"} <= set(wanted)
     missing = sorted((name, where) for name, where in wanted.items() if not hasattr(config, name))
     assert missing == [], missing
+
+
+# attention/reference's modules in layers, lowest first (docs/architecture.md draws them): a
+# module imports only modules of its own layer or of lower ones
+REFERENCE_LAYERS = [
+    ("seq_layout", "switches", "kernel_support", "packing", "launches", "comm"),
+    ("pieces", "bands", "block_counter"),
+    ("gpu", "gpu.varlen", "gpu.fused"),
+    ("masks", "kernels", "blocks", "merge"),
+    ("reorder", "functions", "repartition", "api"),
+    ("oracle", "memory", "memory_proxy", "launch_proxy", "block_cost"),
+]
+
+
+def test_attention_reference_modules_import_only_lower_layers():
+    reference = "megatron_hcp.attention.reference"
+    layer = {f"{reference}.{m}": i for i, names in enumerate(REFERENCE_LAYERS) for m in names}
+    placed = sorted(n for n in MODULES if _under(n, reference) and n != reference)
+    assert sorted(layer) == placed, "place every attention/reference module in REFERENCE_LAYERS"
+    up = sorted((src, dst) for src in layer for dst in GRAPH[src]
+                if dst in layer and layer[dst] > layer[src])
+    assert up == [], up

@@ -8,7 +8,7 @@ from ...sharding import (  # re-exported: the attention API's callers shard with
     thd_partition_indices,
 )
 from .api import context_parallel_attention, local_attention
-from .blocks import BlockCounter
+from .block_counter import BlockCounter
 from .comm import CommCounter, CommRecord
 from .oracle import full_attention
 from .repartition import convert_partition

@@ -38,7 +38,7 @@ from ...sharding import (
     seq_lengths,
 )
 from .functions import AllGatherAttention, RingAttention
-from .fused import fused_mode
+from .gpu import fused_mode, varlen_mode
 from .packing import packing_lengths
 from .pieces import split_mode
 from .reorder import OutputOrder, TokenOrder, UlyssesAllToAll, pack_kv
@@ -48,7 +48,6 @@ from .seq_layout import (
     a2a_gather_permutation,
     half_grouping,
 )
-from .varlen import varlen_mode
 
 __all__ = ["check_window", "context_parallel_attention", "local_attention"]
 

@@ -41,11 +41,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...sharding import thd_partition_indices
 from .blocks import BlockCounter, Window, plan_block
 from .functions import _backward_block, _forward_block, _varlen
-from .fused import fusing
+from .gpu import VarlenCall, fa2_checked, fusing, varlen_backward, varlen_forward, varlening
 from .kernels import acc_dtype
 from .pieces import splitting
 from .seq_layout import SeqLayout, half_grouping
-from .varlen import VarlenCall, fa2_checked, varlen_backward, varlen_forward, varlening
 
 __all__ = ["BaselineTooLarge", "BlockCost", "FLASH_VARLEN", "SDPA", "SDPA_PER_SEQUENCE",
            "band_mask", "baseline_call", "local_tokens", "measure_block_cost", "rank_block_pass"]

@@ -22,28 +22,21 @@ columns that see anything and skipped (``None``) when the window sees none of it
 
 from __future__ import annotations
 
-import contextvars
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from .bands import block_bands
-from .fused import fuses, run_fused
-from .launches import fused_region
+from .block_counter import COUNTERS, BlockCounter
+from .gpu import VarlenCall, kernel_calls, varlen_calls
+from .masks import BlockMask, Meta, Window
 from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
-from .varlen import VarlenCall, kernel_calls, varlen_calls
 
-__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "additive_of", "plan_block",
-           "record_block", "record_kernel", "record_mask", "record_merge", "take"]
+__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "plan_block", "record_block", "take"]
 
 Selector = slice | torch.Tensor
-Window = tuple[int, int] | None
-_COUNTERS: contextvars.ContextVar[tuple[BlockCounter, ...]] = contextvars.ContextVar(
-    "megatron_hcp_block_counters", default=()
-)
 
 
 @dataclass(frozen=True)
@@ -62,37 +55,6 @@ class Block:
     calls: tuple[VarlenCall, ...] | None = None
 
 
-@dataclass
-class BlockCounter:
-    """Context manager counting this rank's forward attention blocks: ``computed`` holds the
-    (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
-    window saw nothing of (their K/V still travel: other ranks need them), ``kernels`` the
-    kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels` - and, per
-    path (``"fused"``, ``"eager"``: :mod:`.fused`), ``merges`` the LSE merges
-    (:mod:`.merge`) and ``masks`` the additive masks built (:meth:`BlockMask.additive`)."""
-
-    computed: list[tuple[int, int]] = field(default_factory=list)
-    skipped: int = 0
-    kernels: Counter = field(default_factory=Counter)
-    merges: Counter = field(default_factory=Counter)
-    masks: Counter = field(default_factory=Counter)
-    _token: contextvars.Token | None = field(default=None, repr=False)
-
-    def __enter__(self) -> BlockCounter:
-        self._token = _COUNTERS.set(_COUNTERS.get() + (self,))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._token is not None
-        _COUNTERS.reset(self._token)
-        self._token = None
-
-    @property
-    def pairs(self) -> int:
-        """Query-key pairs computed (rows x columns, per batch and head)."""
-        return sum(r * c for r, c in self.computed)
-
-
 def _size(sel: Selector, n: int) -> int:
     return len(range(n)[sel]) if isinstance(sel, slice) else int(sel.numel())
 
@@ -106,35 +68,12 @@ def record_block(block: Block | None, layout: SeqLayout) -> None:
         if not block.pieces:
             record_block(None, layout)
         return
-    for counter in _COUNTERS.get():
+    for counter in COUNTERS.get():
         if block is None:
             counter.skipped += 1
         else:
             n = layout.local_tokens
             counter.computed.append((_size(block.rows, n), _size(block.cols, n)))
-
-
-def _record(tally: str, key: object) -> None:
-    """Count ``key`` once in the ``tally`` (a Counter field) of every active
-    :class:`BlockCounter`."""
-    for counter in _COUNTERS.get():
-        getattr(counter, tally)[key] += 1
-
-
-def record_kernel(kernel: str, reason: str = "") -> None:
-    """Count one forward kernel call in every active :class:`BlockCounter`."""
-    _record("kernels", (kernel, reason))
-
-
-def record_merge(path: str) -> None:
-    """Count one LSE merge (``"fused"`` or ``"eager"``) in every active :class:`BlockCounter`."""
-    _record("merges", path)
-
-
-def record_mask(path: str) -> None:
-    """Count one additive mask built (``"fused"`` or ``"eager"``) in every active
-    :class:`BlockCounter`."""
-    _record("masks", path)
 
 
 def take(x: torch.Tensor, sel: Selector, dim: int = 2) -> torch.Tensor:
@@ -160,9 +99,6 @@ def _halves(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool
     return "second", "all", False
 
 
-Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sequence id, position, real token
-
-
 def _meta(layout: SeqLayout, sel: Selector) -> Meta:
     """The per-token metadata of the tokens ``sel`` of ``layout``."""
     return tuple(take(t, sel, 0) for t in (layout.seq_id, layout.pos, layout.valid))
@@ -175,111 +111,6 @@ def _half_meta(layout: SeqLayout, which: str, side: str) -> Meta:
     and the key ``side`` get tensors of their own, so that a block never passes the same
     tensor as both (the fused mask compiles a variant for each way tensors alias)."""
     return _meta(layout, layout.half(which))
-
-
-def _mask(q: Meta, k: Meta, causal: bool, window: Window) -> torch.Tensor:
-    """Visible (query, key) pairs of the query tokens ``q`` x the key tokens ``k`` (their
-    metadata): same sequence, both tokens real, causal order and the window band - built where
-    the metadata lives."""
-    q_seq, q_pos, q_ok = q
-    k_seq, k_pos, k_ok = k
-    mask = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
-    if causal:
-        mask &= k_pos[None, :] <= q_pos[:, None]
-    if window is not None:  # bounds per query, compared with every key: booleans only, no
-        left, right = window  # [rows, cols] of integer gaps
-        if left >= 0:
-            mask &= k_pos[None, :] >= (q_pos - left)[:, None]
-        if right >= 0:
-            mask &= k_pos[None, :] <= (q_pos + right)[:, None]
-    return mask
-
-
-# a side of a window no token limit (-1) as a bound no gap reaches: one fused function for
-# every window (a Python branch would compile a variant per side); within int32, which a
-# compiled kernel may type its integer arguments as (inductor's block pointers)
-_UNBOUNDED = 2**31 - 1
-
-
-def _additive_fused(q_seq, q_pos, q_ok, k_seq, k_pos, k_ok, left: int, right: int,
-                    width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_mask` as the fused kernels' additive mask (0 / ``-inf`` in ``dtype``, its rows
-    ``width`` apart) and which rows see any key: keys ``left`` to ``right`` tokens from the
-    query (causal: ``right`` 0). The keys are padded to ``width`` as keys no query sees, so
-    the mask, its padding and the rows' reduction run over one [rows, width] range: one
-    kernel when compiled, no [rows, cols] buffer in between."""
-    cols = k_seq.shape[0]
-    k_seq, k_pos = (torch.nn.functional.pad(t, (0, width - cols)) for t in (k_seq, k_pos))
-    k_ok = torch.nn.functional.pad(k_ok, (0, width - cols), value=False)
-    visible = (q_seq[:, None] == k_seq[None, :]) & q_ok[:, None] & k_ok[None, :]
-    gap = q_pos[:, None] - k_pos[None, :]
-    visible = visible & (gap <= left) & (-gap <= right)
-    add = torch.where(visible, 0.0, float("-inf")).to(dtype)
-    return add[:, :cols], visible.any(1)
-
-
-def additive_of(visible: torch.Tensor, dtype: torch.dtype, width: int, *, seen: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The boolean [rows, cols] ``visible`` as an additive mask (0 / ``-inf`` in ``dtype``,
-    a view of a [rows, ``width``] buffer) and, where ``seen``, which rows see any key."""
-    rows, cols = visible.shape
-    add = torch.full((rows, width), float("-inf"), dtype=dtype, device=visible.device)
-    add = add[:, :cols]
-    add.masked_fill_(visible, 0.0)
-    return add, visible.any(1) if seen else None
-
-
-@dataclass(frozen=True, eq=False)
-class BlockMask:
-    """The visible (query, key) pairs of a masked block - same sequence, both tokens real,
-    causal order and the window band - held as its tokens' metadata (``q``, ``k``: sequence
-    id, position, real token) and built as a [rows, cols] tensor only where a kernel takes it:
-    booleans (:meth:`dense`, the math path) or the fused kernels' additive mask
-    (:meth:`additive`: one fused kernel where :func:`~.fused.fuses`, instead of a dozen passes
-    over the block)."""
-
-    q: Meta
-    k: Meta
-    causal: bool
-    window: Window
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return int(self.q[0].numel()), int(self.k[0].numel())
-
-    @property
-    def device(self) -> torch.device:
-        return self.q[0].device
-
-    def query_rows(self, rows: slice) -> BlockMask:
-        """The mask of the query rows ``rows`` only (the same keys)."""
-        return BlockMask(tuple(t[rows] for t in self.q), self.k, self.causal, self.window)
-
-    def dense(self) -> torch.Tensor:
-        """The visible pairs as a boolean [rows, cols] tensor."""
-        return _mask(self.q, self.k, self.causal, self.window)
-
-    def additive(self, dtype: torch.dtype, width: int | None = None, *, seen: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(0 where visible and ``-inf`` elsewhere as a [rows, cols] tensor in ``dtype`` whose
-        rows start ``width`` elements apart (default: cols), whether each row sees any key -
-        ``None`` where not ``seen`` is asked for and the work is eager)."""
-        rows, cols = self.shape
-        width = cols if width is None else width
-        if fuses(self.device, rows * cols):
-            left, right = self.window if self.window is not None else (-1, -1)
-            left, right = (_UNBOUNDED if x < 0 else min(x, _UNBOUNDED) for x in (left, right))
-            if self.causal:  # keys at most 0 tokens after the query
-                right = min(right, 0)
-            done, result = run_fused(_additive_fused, *self.q, *self.k, left, right, width,
-                                     dtype)
-            if done:
-                record_mask("fused")
-                return result
-        with fused_region("megatron_hcp::fused_mask"):  # the fused path: one kernel
-            result = additive_of(self.dense(), dtype, width, seen=seen)
-        record_mask("eager")
-        return result
 
 
 def _spans(parts, start: str, size: str) -> torch.Tensor:

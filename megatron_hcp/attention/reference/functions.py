@@ -28,13 +28,14 @@ import torch
 
 from ...sharding import contiguous_window_reach
 from . import comm
-from .blocks import Block, Window, plan_block, record_block, record_kernel, take
+from .block_counter import record_kernel
+from .blocks import Block, Window, plan_block, record_block, take
+from .gpu import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
 from .kernels import acc_dtype, block_backward, block_forward, row_chunks
 from .merge import merge_into
 from .pieces import split_mode, splitting
 from .reorder import OutputOrder, split_kv
 from .seq_layout import SeqLayout
-from .varlen import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
 
 __all__ = ["AllGatherAttention", "RingAttention", "ring_reach"]
 

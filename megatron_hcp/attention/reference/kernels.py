@@ -45,15 +45,16 @@ from functools import lru_cache
 import torch
 from torch.torch_version import TorchVersion
 
-from .blocks import BlockMask, additive_of, record_kernel
+from .block_counter import record_kernel
+from .kernel_support import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, KERNELS, MATH, acc_dtype
+from .kernel_support import torch_accepts as _torch_accepts
+from .masks import BlockMask, additive_of
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
            "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for",
            "row_chunks"]
 
 _NEG_INF = float("-inf")
-CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH = "cpu_flash", "cuda_flash", "cuda_efficient", "math"
-KERNELS = (CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, MATH)
 _HALF = (torch.float16, torch.bfloat16)
 _LSE_ALIGN = 32  # rows of the efficient kernel's LSE (padded with +inf)
 
@@ -95,36 +96,6 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_
         return KernelChoice(CUDA_EFFICIENT)
     return KernelChoice(MATH, f"head dims {head_dim} / {head_dim_v} are not multiples of "
                               f"{align} ({dtype}): the CUDA kernels need 16-byte rows")
-
-
-def _torch_accepts(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool, mask: torch.Tensor | BlockMask | None = None) -> bool:
-    """Whether torch runs ``kernel`` on these CUDA tensors here (GPU arch, build, the user's
-    ``torch.backends.cuda.enable_*_sdp`` switches), with the block's ``mask`` if it has one;
-    K/V with fewer heads than q are asked as grouped-query attention (``enable_gqa``)."""
-    from torch.backends import cuda as sdp
-
-    if mask is not None:  # torch checks a mask's dtype, shape and last stride only: one
-        # unfilled row seen as every row (no [rows, cols] allocation per check)
-        rows, cols = mask.shape
-        mask = torch.empty((1, cols), dtype=torch.bool, device=q.device).expand(rows, cols)
-    gqa = k.shape[1] != q.shape[1]
-    check = (sdp.can_use_flash_attention if kernel == CUDA_FLASH
-             else sdp.can_use_efficient_attention)
-    # asked as for training (q requires grad, grad mode on, as torch's SDPA front end sees a
-    # training call: the block's backward runs the same kernel, and torch refuses some
-    # (flash with head dims over 192 on sm86/89/120) for training only; the autograd
-    # Function's forward runs with grad mode off, where that check would not run; an
-    # inference tensor has no backward and cannot require grad)
-    with torch.enable_grad():
-        q = q if q.is_inference() else q.detach().requires_grad_()
-        try:
-            params = sdp.SDPAParams(q, k, v, mask, 0.0, causal, gqa)
-        except TypeError:  # torch < 2.5: no enable_gqa argument
-            if gqa:
-                return False
-            params = sdp.SDPAParams(q, k, v, mask, 0.0, causal)
-        return bool(check(params, False))
 
 
 @lru_cache(maxsize=1)
@@ -202,11 +173,6 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         return KernelChoice(MATH, "torch refuses its flash and efficient kernels for this "
                                   "block on this GPU (torch.backends.cuda.can_use_*_attention)")
     return choice
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp64 stays fp64, everything else accumulates in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

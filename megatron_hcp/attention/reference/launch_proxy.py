@@ -1,31 +1,33 @@
 """The CPU proxy of CP attention's GPU overhead: kernel launches per rank of one step.
 
 A step is one :func:`~.api.context_parallel_attention` forward and its backward on this rank
-(real groups, real communication). :func:`rank_launches` runs each :class:`LaunchCase` on the
-ranks of the calling world and counts what it launched with :func:`~.launches.count_launches`;
-a GPU would launch the same aten ops (the attention kernel differs by device, the rest does
-not). Counts are a steady step: a warm-up step runs first, so what is built once per packing
-(layout metadata, a window's trimming, a2a permutations) is not in them - a new packing's
-first layer pays it once. ``tests/unit/attention/test_cp_attention.py`` holds the counts to a
-budget and ``benchmarks/attention.py --launches`` prints them (issue #34).
+(real groups, real communication). The caller hands in how a case's CP groups are made
+(:data:`CPGroups`, e.g. :func:`megatron_hcp.parallel_state.groups.bare_cp_groups`): the
+attention makes none. :func:`rank_launches` runs each :class:`LaunchCase` on the ranks of the
+calling world and counts what it launched with :func:`~.launches.count_launches`; a GPU would
+launch the same aten ops (the attention kernel differs by device, the rest does not). Counts
+are a steady step: a warm-up step runs first, so what is built once per packing (layout
+metadata, a window's trimming, a2a permutations) is not in them - a new packing's first layer
+pays it once. ``tests/unit/attention/test_cp_attention.py`` holds the counts to a budget and
+``benchmarks/attention.py --launches`` prints them (issue #34).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...parallel_state.groups import new_groups
-from ...parallel_state.layout import hierarchical_level_groups
 from ...sharding import get_local_chunk
 from .api import context_parallel_attention
-from .blocks import BlockCounter
+from .block_counter import BlockCounter
 from .launches import LaunchCount, count_launches
 from .pieces import splitting
 
-__all__ = ["CASES", "LaunchCase", "rank_launches"]
+__all__ = ["CASES", "CPGroups", "LaunchCase", "case_groups", "rank_launches"]
 
 
 @dataclass(frozen=True)
@@ -72,19 +74,18 @@ CASES = (
 )
 
 
-def _groups(case: LaunchCase, cache: dict) -> tuple[object, int]:
-    """This rank's CP group(s) for ``case`` and its flat CP position (created in case order,
-    the same on every rank)."""
+#: ``(cp_size, hcp_sizes or None) -> (this rank's CP group or its level groups, its position)``,
+#: called on every rank in the same order
+CPGroups = Callable[[int, "tuple[int, int] | None"], tuple[Any, int]]
+
+
+def case_groups(case: LaunchCase, cp_groups: CPGroups, cache: dict) -> tuple[Any, int]:
+    """This rank's CP group(s) for ``case`` and its CP position: ``cp_groups`` called once per
+    (CP size, HCP sizes), in case order (the same on every rank)."""
     key = (case.cp, case.hcp)
     if key not in cache:
-        world = dist.get_world_size()
-        flat = [list(range(s, s + case.cp)) for s in range(0, world, case.cp)]
-        if case.hcp is None:
-            cache[key] = new_groups(flat)
-        else:
-            per = [hierarchical_level_groups(g, list(case.hcp)) for g in flat]
-            cache[key] = [new_groups([g for p in per for g in p[lvl]]) for lvl in range(2)]
-    return cache[key], dist.get_rank() % case.cp
+        cache[key] = cp_groups(case.cp, case.hcp)
+    return cache[key]
 
 
 def _inputs(case: LaunchCase, position: int, device: torch.device):
@@ -114,9 +115,11 @@ def _inputs(case: LaunchCase, position: int, device: torch.device):
 
 
 def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
-                  fused: bool = False) -> list[tuple[LaunchCount, LaunchCount, int]]:
-    """On every rank of the world: (forward, backward, forward blocks) of each case's step.
-    Cases whose CP size does not divide the world are refused. ``fused``: every merge and mask
+                  fused: bool = False, *, cp_groups: CPGroups
+                  ) -> list[tuple[LaunchCount, LaunchCount, int]]:
+    """On every rank of the world: (forward, backward, forward blocks) of each case's step,
+    on the groups ``cp_groups`` makes. Cases whose CP size does not divide the world are
+    refused. ``fused``: every merge and mask
     counted as the kernels :mod:`.fused` is expected to launch for it on a GPU
     (:func:`~.launches.count_launches`); CPU only."""
     if fused and device != "cpu":
@@ -131,7 +134,7 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = _groups(case, cache)
+        group, position = case_groups(case, cp_groups, cache)
         (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ...sharding import get_local_chunk
 from .api import context_parallel_attention
 from .kernels import MATH, acc_dtype, block_backward, block_forward, choose_kernel
-from .launch_proxy import _groups
+from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 
 __all__ = ["MemoryCase", "LocalFlash", "floor_bytes", "local_flash", "rank_memory"]
@@ -169,10 +169,11 @@ def _inputs(case: MemoryCase, position: int, device: torch.device):
     return shards, meta
 
 
-def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu"
+def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups: CPGroups
                 ) -> list[tuple[StepMemory, StepMemory]]:
     """On every rank of the world: (CP step, :class:`LocalFlash` step) of each case, counted
-    by :func:`~.memory.measure_step` after a warm-up step. Cases whose CP size does not divide
+    by :func:`~.memory.measure_step` after a warm-up step, on the groups ``cp_groups`` makes
+    (:func:`~.launch_proxy.case_groups`). Cases whose CP size does not divide
     the world are refused."""
     world = dist.get_world_size()
     for case in cases:
@@ -182,7 +183,7 @@ def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu"
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = _groups(case, cache)
+        group, position = case_groups(case, cp_groups, cache)
         (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
         leaves = [x.requires_grad_() for x in (q, k, v)]
         kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,

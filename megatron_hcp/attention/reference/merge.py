@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import record_merge
-from .fused import fuses, run_fused
+from .block_counter import record_merge
+from .gpu import fuses, run_fused
 from .launches import fused_region
 
 __all__ = ["merge_into"]

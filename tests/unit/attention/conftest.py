@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from megatron_hcp.attention.reference import varlen as varlen_module
-from megatron_hcp.attention.reference.varlen import (
+from megatron_hcp.attention.reference.gpu import varlen as varlen_module
+from megatron_hcp.attention.reference.gpu.varlen import (
     forget_kernel_checks,
     reference_backward,
     reference_forward,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hcp.attention.reference import context_parallel_attention
-from megatron_hcp.attention.reference.launch_proxy import _groups
+from megatron_hcp.attention.reference.launch_proxy import case_groups
 from megatron_hcp.attention.reference.memory import LiveBytes
 from megatron_hcp.attention.reference.memory_proxy import (
     MemoryCase,
@@ -26,6 +26,7 @@ from megatron_hcp.attention.reference.memory_proxy import (
     floor_bytes,
     rank_memory,
 )
+from megatron_hcp.parallel_state.groups import bare_cp_groups
 
 pytestmark = [pytest.mark.multirank, pytest.mark.torch_only]
 
@@ -78,7 +79,7 @@ def saved_per_function(cases: tuple[MemoryCase, ...]) -> list[dict]:
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = _groups(case, cache)
+        group, position = case_groups(case, bare_cp_groups, cache)
         (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
         leaves = [x.requires_grad_() for x in (q, k, v)]
         saved: list[torch.Tensor] = []
@@ -119,7 +120,7 @@ def output_layouts(cases: tuple[MemoryCase, ...]) -> list[bool]:
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = _groups(case, cache)
+        group, position = case_groups(case, bare_cp_groups, cache)
         (q, k, v, _), meta = _inputs(case, position, torch.device("cpu"))
         result = context_parallel_attention(q, k, v, cp_comm_type=case.comm, cp_group=group,
                                             qkv_format=case.fmt, **meta)
@@ -143,7 +144,7 @@ def kept_with_a_late_peer(cases: tuple[MemoryCase, ...], late: int, delay_s: flo
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = _groups(case, cache)
+        group, position = case_groups(case, bare_cp_groups, cache)
         (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
         leaves = [x.requires_grad_() for x in (q, k, v)]
         kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt, **meta)
@@ -184,7 +185,7 @@ def test_kept_and_peak_within_the_targets(world):
     in row chunks, each with the dK/dV of all its columns)."""
     cases = tuple(_case(comm, fmt) for comm in COMMS for fmt in ("bshd", "thd")) + tuple(
         _case(comm, "bshd", cp=2) for comm in ("p2p", "a2a", "all_gather"))
-    per_rank = world.run(rank_memory, cases)
+    per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
     for rank, results in enumerate(per_rank):
         peaks: dict[tuple[str, str, int], float] = {}
         for case, (cp, flash) in zip(cases, results):

@@ -28,7 +28,7 @@ from megatron_hcp.attention.reference import (
     pad_thd,
 )
 from megatron_hcp.harness.local_world import RankError
-from megatron_hcp.parallel_state.groups import new_groups
+from megatron_hcp.parallel_state.groups import bare_cp_groups, new_groups
 from megatron_hcp.parallel_state.layout import hierarchical_level_groups
 from megatron_hcp.sharding import ShardingError, layout_unit, padded_length
 
@@ -797,8 +797,8 @@ def test_kernel_launches_per_step_stay_within_budget(world):
     from megatron_hcp.attention.reference.launch_proxy import CASES, rank_launches
 
     assert sorted(LAUNCH_BUDGET) == sorted(LAUNCH_BUDGET_FUSED) == sorted(c.name for c in CASES)
-    per_rank = world.run(rank_launches)
-    fused_per_rank = world.run(rank_launches, fused=True)
+    per_rank = world.run(rank_launches, cp_groups=bare_cp_groups)
+    fused_per_rank = world.run(rank_launches, fused=True, cp_groups=bare_cp_groups)
     over = {}
     for budget, ranks, how in ((LAUNCH_BUDGET, per_rank, "eager"),
                                (LAUNCH_BUDGET_FUSED, fused_per_rank, "fused")):

@@ -1,5 +1,5 @@
 """The CP attention's merges and masks fused by torch.compile
-(megatron_hcp.attention.reference.fused), here on the CPU through inductor's C++ code
+(megatron_hcp.attention.reference.gpu.fused), here on the CPU through inductor's C++ code
 (tests/gpu runs them through Triton): the same results as the eager ones, one generated kernel
 each, oracle cases of every comm type with them, and the ``MEGATRON_HCP_FUSED_OPS`` switch.
 Compiling starts inductor's compile worker processes, so the tests that compile are
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megatron_hcp.attention.reference import BlockCounter, CPAttentionError, local_attention
-from megatron_hcp.attention.reference import fused as fused_module
 from megatron_hcp.attention.reference import merge as merge_module
 from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank_block_pass
-from megatron_hcp.attention.reference.blocks import BlockMask, _additive_fused
-from megatron_hcp.attention.reference.fused import FUSED_ENV, fused_mode, fuses, fusing
+from megatron_hcp.attention.reference.gpu import fused as fused_module
+from megatron_hcp.attention.reference.gpu.fused import FUSED_ENV, fused_mode, fuses, fusing
+from megatron_hcp.attention.reference.masks import BlockMask, _additive_fused
 from megatron_hcp.attention.reference.merge import merge_into
 from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_cp_attention import (

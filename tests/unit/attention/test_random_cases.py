@@ -32,11 +32,11 @@ from megatron_hcp.attention.reference import (
     get_local_chunk,
     pad_thd,
 )
-from megatron_hcp.attention.reference.fused import fusing
-from megatron_hcp.attention.reference.pieces import splitting
-from megatron_hcp.attention.reference.varlen import (
+from megatron_hcp.attention.reference.gpu.fused import fusing
+from megatron_hcp.attention.reference.gpu.varlen import (
     varlening,
 )
+from megatron_hcp.attention.reference.pieces import splitting
 from megatron_hcp.harness.threaded_world import ThreadedWorld
 from megatron_hcp.sharding import layout_unit
 from tests.unit.attention.conftest import reference_as_fa2

@@ -1,4 +1,4 @@
-"""A packed block's pieces as FlashAttention-2 varlen calls (attention.reference.varlen).
+"""A packed block's pieces as FlashAttention-2 varlen calls (attention.reference.gpu.varlen).
 
 No CPU kernel takes segments, and this machine has no GPU: FA2's kernel itself runs only in
 ``tests/gpu`` and in the once-per-process check of ``auto``. Here: the calls' segments
@@ -17,11 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hcp.attention.reference import BlockCounter, local_attention
-from megatron_hcp.attention.reference import varlen as varlen_module
 from megatron_hcp.attention.reference.blocks import plan_block
-from megatron_hcp.attention.reference.pieces import splitting
-from megatron_hcp.attention.reference.seq_layout import CPAttentionError, SeqLayout
-from megatron_hcp.attention.reference.varlen import (
+from megatron_hcp.attention.reference.gpu import varlen as varlen_module
+from megatron_hcp.attention.reference.gpu.varlen import (
     VARLEN_ENV,
     VARLEN_KERNEL,
     VarlenCall,
@@ -36,6 +34,8 @@ from megatron_hcp.attention.reference.varlen import (
     varlen_takes,
     varlening,
 )
+from megatron_hcp.attention.reference.pieces import splitting
+from megatron_hcp.attention.reference.seq_layout import CPAttentionError, SeqLayout
 from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.unit.attention.test_cp_attention import (
     COMMS,
@@ -166,7 +166,7 @@ def test_window_trimming_from_bands_is_the_masks():
     """A windowed block's trimmed rows and columns, read from its bands (no [rows, cols] mask
     on the host), are the rows and columns its mask shows seeing anything (random packings
     and single sequences, both layouts, grouped or not, windows of every kind)."""
-    from megatron_hcp.attention.reference import blocks
+    from megatron_hcp.attention.reference import blocks, masks
 
     checked = 0
     for (layout, kv, causal, where), window in zip(
@@ -175,7 +175,7 @@ def test_window_trimming_from_bands_is_the_masks():
         if halves is None:
             continue
         rows, cols = layout.half(halves[0]), kv.half(halves[1])
-        mask = blocks._mask(blocks._meta(layout, rows), blocks._meta(kv, cols), causal, window)
+        mask = masks._mask(blocks._meta(layout, rows), blocks._meta(kv, cols), causal, window)
         got = blocks._window_trim(layout, kv, causal, window, halves[:2])
         if not bool(mask.any()):
             assert got is None

@@ -41,7 +41,7 @@ import torch
 import torch.fx.experimental._config
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .switches import Switch
+from ..switches import Switch
 
 __all__ = ["FUSED_ENV", "FUSED_MODES", "MIN_FUSED_ELEMENTS", "fused_mode", "fuses", "fusing",
            "run_fused"]

@@ -40,10 +40,11 @@ from typing import NamedTuple
 
 import torch
 
-from .bands import Band
+from ..bands import Band
+from ..kernel_support import CUDA_FLASH, acc_dtype, torch_accepts
+from ..pieces import Piece
+from ..switches import Switch
 from .fused import _capturing
-from .pieces import Piece
-from .switches import Switch
 
 __all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_checked",
            "fa2_visible", "forget_kernel_checks", "kernel_calls", "kernel_matches_reference",
@@ -268,14 +269,6 @@ def _segments(x: torch.Tensor, span: slice, b: int = 0) -> torch.Tensor:
     return seg if seg.stride(-1) == 1 else seg.contiguous()
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """:func:`~.kernels.acc_dtype` (the LSE's dtype: FA2's fp32, the reference's fp64 for
-    fp64; kernels imports this module through blocks)."""
-    from .kernels import acc_dtype
-
-    return acc_dtype(dtype)
-
-
 def _batch(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-batch-element results as one [B, ...] tensor: a view for one (packed data), no
     copy on that path."""
@@ -332,7 +325,7 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         grads.append((kernel or _flash_backward)(
             _segments(dout, rows, b).to(q.dtype), _segments(q, rows, b),
             _segments(k, cols, b), _segments(v, cols, b), _segments(out, rows, b).to(q.dtype),
-            lse[b, :, rows].to(_acc(q.dtype)).contiguous(), cu_q, cu_k,
+            lse[b, :, rows].to(acc_dtype(q.dtype)).contiguous(), cu_q, cu_k,
             *max_seqlens(call), call.causal, scale, call.window))
     return tuple(_batch([g.transpose(0, 1) for g in per_batch]) for per_batch in zip(*grads))
 
@@ -368,7 +361,7 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(
     pairs of a segment as FA2 computes them (:func:`fa2_visible`); inputs on one device, as
     FA2 checks."""
     _on_one_device(q, k, v, cu_q, cu_k)
-    heads, acc = q.shape[1], _acc(q.dtype)
+    heads, acc = q.shape[1], acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((heads, q.shape[0]), float("inf"), dtype=acc, device=q.device)
     for (q0, q1), (k0, k1) in zip(_bounds(_lens(cu_q)), _bounds(_lens(cu_k))):
@@ -389,7 +382,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     dtype, dK / dV summed over each group of query heads."""
     _on_one_device(q, k, v, out, dout, lse, cu_q, cu_k)
     heads, kv_heads = q.shape[1], k.shape[1]
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape[0], heads, k.shape[-1], dtype=acc, device=q.device)
     dv = torch.zeros(v.shape[0], heads, v.shape[-1], dtype=acc, device=q.device)
@@ -422,13 +415,11 @@ def _fa2_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether FlashAttention-2 takes this block's q [B,H,S,D] / k, v [B,Hkv,S,D]: CUDA,
     fp16/bf16, one head dim (a multiple of 8, at most 256), and torch's own check says so
     here (GPU arch, build, ``torch.backends.cuda.enable_flash_sdp``)."""
-    from .kernels import CUDA_FLASH, _torch_accepts
-
     d = q.shape[-1]
     if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
             or v.shape[-1] != d or k.shape[-1] != d or d % 8 or d > 256):
         return False
-    return _torch_accepts(CUDA_FLASH, q, k, v, False)
+    return torch_accepts(CUDA_FLASH, q, k, v, False)
 
 
 def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
