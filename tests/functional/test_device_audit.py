@@ -1,7 +1,8 @@
 """The device audit in CI (no GPU): every shipped recipe's ``gpu_nccl`` training step on emulated
 CUDA devices, every rank (so every rank role: first / last pipeline stage, TP and CP ranks, idle
 dynamic-CP positions), must be free of device mixes; the CPU run on a machine with CUDA must not
-use CUDA; and the audit names the defects found on the first H100 when they are put back.
+use CUDA; and the audit names the defects found on the first H100 (2026-11-26, at 947f668) when
+they are put back.
 
 The ranks are processes of pooled worlds, one per recipe size, kept for audits only (the
 emulation changes a process for good, and CPU-runtime patches would hide mixes)."""
@@ -127,8 +128,8 @@ def audit_with_rope_on_the_cpu(path: str) -> list[dict]:
 
 
 def audit_with_the_old_cpu_runtime_rule(path: str) -> list[dict]:
-    """The CPU run's audit with ``apply_cpu_runtime`` as it was before the H100 run: nothing
-    applied where CUDA is available (the H100's 'Cannot re-initialize CUDA in forked
+    """The CPU run's audit with ``apply_cpu_runtime`` as it was before the H100 run of 2026-11-26:
+    nothing applied where CUDA is available (the H100's 'Cannot re-initialize CUDA in forked
     subprocess' from model_parallel_cuda_manual_seed, then RoPE on cuda:0 against the CPU)."""
     import torch
 

@@ -35,7 +35,8 @@ COMMS = ("p2p", "a2a", "a2a+p2p", "all_gather")
 CP_FUNCTIONS = ("RingAttentionBackward", "AllGatherAttentionBackward")
 # the targets (benchmarks/attention_memory.py): kept after forward over the floor, peak over
 # one flash call's (all_gather: over the flash call's plus the gathered K/V and their
-# gradients), thd's peak over bshd's (as measured: above the target)
+# gradients), thd's peak over bshd's (as measured: above the target; 2026-11-29, at 63be845,
+# a 2-core x86_64 CPU VM)
 KEPT = 1.02
 PEAK = {"p2p": 2.0, "a2a+p2p": 2.0, "a2a": 1.5, "all_gather": 1.1}
 THD_OVER_BSHD = 1.30  # measured up to 1.26 (a2a, CP4, S 1024); the target, 1.10, is not met

@@ -760,12 +760,12 @@ def test_benchmark_layout_table_counts_bytes_and_work_per_rank(world):
 
 # ------------------------------------------------------------------ launches (issue #34)
 # kernels one rank launches for one step (forward + backward) of each launch-proxy case, at
-# most (max over the ranks; torch 2.13, the CPU). Counted before the fused merge (2026-11-28):
+# most (max over the ranks; torch 2.13, the CPU). Counted at 4bf13c7 (2026-11-28):
 # p2p cp2 74, p2p cp4 140, p2p cp4 bf16 161, contiguous 125, thd 315, gqa 164, mla 225,
 # window 350, all_gather 121, a2a 67, a2a+p2p 96 (benchmarks/RESULTS.md). Lower a budget when
 # a change saves launches. K/V packed once before any a2a / token order, one block per
 # all-gather source and Ulysses all-to-alls of one copy and one gather (the memory issue,
-# 2026-11-29): a2a 34 -> 23, a2a+p2p 44 -> 37, all_gather 47 -> 44, the rest 1-2 fewer.
+# 2026-11-29, f04654e): a2a 34 -> 23, a2a+p2p 44 -> 37, all_gather 47 -> 44, the rest 1-2 fewer.
 # thd pieces: three sequences per block as 27 dense pieces a step, each its kernel and merge
 # (auto keeps such small packings masked; this case is forced, to hold its cost too)
 LAUNCH_BUDGET = {

@@ -11,8 +11,9 @@ metadata as the same tensor, a copy or omitted, q/k/v as strided views with NaN 
 a second layer on the same packing, and the backend's switches (split, fused, varlen with
 the reference in FA2's place). fp64; every rank's output and gradients must match the oracle
 within 1e-10 of its scale, and padding must get exactly zero. A sweep of 36,600 such cases
-run in review (2026-11-28, reported at 3a9e3e1) found no failure; this keeps a slice of it
-in CI. A longer sweep: ``python -m tests.unit.attention.test_random_cases --seed 7 --cases 5000``.
+run in review (2026-11-28, a 2-core x86_64 CPU VM, reported at 3a9e3e1) found no failure; this
+keeps a slice of it in CI. A longer sweep:
+``python -m tests.unit.attention.test_random_cases --seed 7 --cases 5000``.
 """
 
 from __future__ import annotations

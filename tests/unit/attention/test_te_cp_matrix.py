@@ -15,13 +15,13 @@ Each rank's output and dq, dk, dv must be within Transformer Engine's tolerance
 same half-precision inputs (thd: the sequences' tokens; that padding stays zero is
 ``test_cp_attention``'s check).
 
-Before commit 1bc6a63 the CPU flash kernel summed a KV group's dK/dV in the inputs' dtype: 55
-of the 124 cases failed then on other draws of the inputs (bf16 and fp16 GQA dV), and three
-of CI's fail (cp_2_0 bf16, cp_4_0 fp16, cp_4_2 fp16: dV 1.2-1.5x the tolerance). CI runs
-:data:`CI_CASES`, one case a configuration that between them take every dtype, format and
-comm type, in about 25 s of CPU time; the whole matrix, a line a case and the count:
-``python -m tests.unit.attention.test_te_cp_matrix [--seq N] [--all]`` (without ``--all``:
-CI's cases).
+Before commit 1bc6a63 the CPU flash kernel summed a KV group's dK/dV in the inputs' dtype: 55 of the
+124 cases failed then (2026-11-29, a 2-core x86_64 CPU VM) on other draws of the inputs (bf16 and
+fp16 GQA dV), and three of CI's fail (cp_2_0 bf16, cp_4_0 fp16, cp_4_2 fp16: dV 1.2-1.5x the
+tolerance). CI runs :data:`CI_CASES`, one case a configuration that between them take every dtype,
+format and comm type, in about 25 s of CPU time (2026-11-29, at 91bd2b6, the same VM); the whole
+matrix, a line a case and the count: ``python -m tests.unit.attention.test_te_cp_matrix [--seq N]
+[--all]`` (without ``--all``: CI's cases).
 """
 
 from __future__ import annotations

@@ -34,15 +34,16 @@ These runs set ``model.moe_aux_loss_coeff=0`` (the recipe's router, dispatcher a
 otherwise). megatron's load-balancing loss is a loss of each micro-batch - tokens per expert over
 the micro-batch's tokens (all-reduced over TP x CP), weighted by its token count - and of every
 token routed, padding included (Bridge passes no padding mask): dynamic CP regroups the step's
-sequences into other micro-batches with other padding, so with the recipe's own aux loss (1e-3)
-it trains another objective than CP=1 - by megatron's definition, not a CP defect (measured over
-5 steps: lm loss within 4.5e-6, grad norm off by up to 5.1e-5). That is pinned here: the forward
-(step 1's lm loss and routing) is the same, the gradient is not. Upstream also reduced a
-micro-batch's token counts over the static TP x CP group, other micro-batches' tokens included,
-and divided the z-loss by its size; ``moe-router-dynamic-cp-group`` gives the router the
-micro-batch's group: with the aux loss and a z-loss on, static CP 4 and static CP 1 train alike
-under dynamic CP (5.6e-6 in grad norm; upstream 4.7e-5), and what the router cannot do per
-micro-batch group (TP > 1, the global aux loss, selective recompute of ``moe``) is refused.
+sequences into other micro-batches with other padding, so with the recipe's own aux loss (1e-3) it
+trains another objective than CP=1 - by megatron's definition, not a CP defect (measured over 5
+steps, 2026-11-29 at 3d7dd45 on a 2-core x86_64 CPU VM: lm loss within 4.5e-6, grad norm off by up
+to 5.1e-5). That is pinned here: the forward (step 1's lm loss and routing) is the same, the
+gradient is not. Upstream also reduced a micro-batch's token counts over the static TP x CP group,
+other micro-batches' tokens included, and divided the z-loss by its size;
+``moe-router-dynamic-cp-group`` gives the router the micro-batch's group: with the aux loss and a
+z-loss on, static CP 4 and static CP 1 train alike under dynamic CP (5.6e-6 in grad norm; upstream
+4.7e-5; 2026-11-29, at e0964c9), and what the router cannot do per micro-batch group (TP > 1, the
+global aux loss, selective recompute of ``moe``) is refused.
 
 ``moe-allgather-variable-tokens`` (megatron-core patch, :mod:`megatron_hcp.patching.moe_dispatch`)
 makes the all-gather dispatcher work with expert-parallel ranks holding different token counts -
@@ -459,16 +460,16 @@ def test_with_the_recipes_aux_loss_dynamic_cp_trains_another_objective(world, di
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "upstream"])
 def test_with_aux_and_z_losses_static_cp_4_and_1_train_alike_under_dynamic_cp(world, dirs,
                                                                              patched):
-    """The recipe's aux loss (1e-3) and a z-loss (1e-3) over each dynamic-CP micro-batch's own
-    group (``moe-router-dynamic-cp-group``): with a static CP of 4 (static TP x CP group: all 4
-    ranks) and of 1 (a group of one rank) the plans' groups are the same and lm loss and grad
-    norm stay within 1e-5 (measured: 3.6e-7, 5.6e-6). Upstream reduces the token counts over
-    the static group, other micro-batches' tokens included, and divides the z-loss by the
-    static size: 5.3e-6, 4.7e-5. (Which sequences share a micro-batch can differ: the static
-    CP 1 run's four replicas load the step's rows and hand the scheduler their lengths in
-    another order. The lm loss does not depend on it; a micro-batch's aux loss does, so the
-    logged aux values are not compared here: test_moe_router_patch.py checks them per
-    micro-batch against one rank holding the whole micro-batch.)"""
+    """The recipe's aux loss (1e-3) and a z-loss (1e-3) over each dynamic-CP micro-batch's own group
+    (``moe-router-dynamic-cp-group``): with a static CP of 4 (static TP x CP group: all 4 ranks) and
+    of 1 (a group of one rank) the plans' groups are the same and lm loss and grad norm stay within
+    1e-5 (measured 2026-11-29 at e0964c9, a 2-core x86_64 CPU VM: 3.6e-7, 5.6e-6). Upstream reduces
+    the token counts over the static group, other micro-batches' tokens included, and divides the
+    z-loss by the static size: 5.3e-6, 4.7e-5. (Which sequences share a micro-batch can differ: the
+    static CP 1 run's four replicas load the step's rows and hand the scheduler their lengths in
+    another order. The lm loss does not depend on it; a micro-batch's aux loss does, so the logged
+    aux values are not compared here: test_moe_router_patch.py checks them per micro-batch against
+    one rank holding the whole micro-batch.)"""
     revert = () if patched else ("moe-router-dynamic-cp-group",)
     runs = [_history(world, dirs, [*AUX_AND_Z, f"model.context_parallel_size={cp}",
                                    "model.cp_comm_type=p2p", *DYNAMIC], revert)
@@ -537,8 +538,9 @@ def test_without_the_mla_patch_megatron_refuses_dynamic_cp_in_mla(world):
 
 def test_the_contiguous_layout_with_mtp_is_refused_before_training(world):
     """megatron's MTP rolls its inputs and labels across the CP group for zigzag chunks only
-    (the same run with MTP was off CP=1 by 2.4e-5 in loss at step 3; without MTP it equals
-    CP=1): Bridge's loop refuses the pair by name on every rank, before any process group."""
+    (the same run with MTP was off CP=1 by 2.4e-5 in loss at step 3, 2026-11-29 at 3d7dd45; without
+    MTP it equals CP=1): Bridge's loop refuses the pair by name on every rank, before any process
+    group."""
     failures = world.run(mla_failure, [*MLA_OFF, *MLA_DYNAMIC, *CONTIGUOUS], (),
                          timeout_s=900)
     for failure in failures:

@@ -20,10 +20,10 @@ read the global TP group), and the MoE CPU runtime (``cpu-moe-router-device``).
 
 MTP under CP: megatron-core 0.19.2 scales each CP rank's MTP token losses by that rank's own
 ``tokens / tokens after the roll`` (only CP rank 0 loses a token to it), so the MTP gradient
-depended on the CP layout (3.8e-5 in grad norm). ``mtp-dynamic-cp-group``, which Bridge's hook
-applies, takes those counts over the CP group
-(:func:`megatron_hcp.patching.integration.with_cp_token_counts`): the MTP layouts equal CP=1
-with nothing but the named patches.
+depended on the CP layout (3.8e-5 in grad norm; 2026-11-29, at 01a5cd5, a 2-core x86_64 CPU VM).
+``mtp-dynamic-cp-group``, which Bridge's hook applies, takes those counts over the CP group
+(:func:`megatron_hcp.patching.integration.with_cp_token_counts`): the MTP layouts equal CP=1 with
+nothing but the named patches.
 """
 
 from __future__ import annotations
@@ -191,9 +191,9 @@ def test_the_model_is_deepseek_v3s_architecture(world):
 def test_mtp_under_cp_weighs_its_tokens_like_cp1(world):
     """MTP under CP4 a2a+p2p [2,2] equals CP=1 within 1e-5 from the first step's gradient on
     (megatron-core 0.19.2's own per-rank token counts made step 1's grad norm differ by 3.8e-5,
-    the forward being the same), with nothing but the named patches Bridge's hook and the CPU
-    runtime apply: ``mtp-dynamic-cp-group`` (the counts over the CP group) and the MLA
-    family's."""
+    the forward being the same; 2026-11-29, at 01a5cd5), with nothing but the named patches Bridge's
+    hook and the CPU runtime apply: ``mtp-dynamic-cp-group`` (the counts over the CP group) and the
+    MLA family's."""
     path = PATHS["decentralized"]
     run = _history(world, HCP + path, True)
     base = _history(world, path, True)

@@ -139,10 +139,10 @@ HCP = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context
     ({}, 1.0, "num_distributed_optimizer_instances=1.0: must be the integer 1"),
 ])
 def test_bridge_values_are_read_strictly_never_coerced(bridge, fields, instances, named):
-    """Through the hooked Bridge function: 0 was read as 1, 4.9 as 4, "2" as TP 2, 0 / -1
-    optimizer instances passed, an int as the sizes or "abc" as TP were raw TypeError /
-    ValueError; each is now a CPConfigError naming the field, the value, the rule and the
-    fix, before any group exists."""
+    """Through the hooked Bridge function before 0462398 (2026-11-24): 0 was read as 1, 4.9 as 4,
+    "2" as TP 2, 0 / -1 optimizer instances passed, an int as the sizes or "abc" as TP were raw
+    TypeError / ValueError; each is now a CPConfigError naming the field, the value, the rule and
+    the fix, before any group exists."""
     hook.install()
     cfg = model_config(**{**HCP, **fields})
     with pytest.raises(CPConfigError) as info:

@@ -716,8 +716,8 @@ def _nemotron_h_model(pattern: str) -> Any:
 
 @needs_bridge
 def test_old_spec_fails_the_comparison(bridge):
-    """The planted difference: the spec megatron-hcp offered before (megatron's local spec with
-    only multi_latent_attention passed on) loses Qwen3-MoE's q/k norms and experts."""
+    """The planted difference: the spec megatron-hcp offered before 4d50598 (megatron's local spec
+    with only multi_latent_attention passed on) loses Qwen3-MoE's q/k norms and experts."""
     from megatron_hcp.attention.module import gpt_layer_spec
 
     provider = _qwen3_moe()

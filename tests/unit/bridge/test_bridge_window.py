@@ -120,8 +120,8 @@ def test_gemma3_bad_window_still_refused(gemma3):
 
 @pytest.mark.parametrize("overrides", [["model.window_size=512"], ["model.window_size=[511,0]"]])
 def test_the_override_forms_read_alike(overrides):
-    """Bridge's ``model.window_size=512`` override reads as the provider's int does; before, the
-    override reader refused it ("must be two integers")."""
+    """Bridge's ``model.window_size=512`` override reads as the provider's int does; before 0cd5e3b
+    (2026-11-29) the override reader refused it ("must be two integers")."""
     from megatron_hcp.bridge import cp_config_from_overrides
 
     assert cp_config_from_overrides(overrides)[0].window_size == [511, 0]

@@ -359,15 +359,16 @@ def test_multi_token_prediction_follows_the_dynamic_group(world):
 
     Lengths are multiples of 16 so that no sequence is padded: upstream's packed roll
     (``_roll_tensor_packed_seq``) cuts by ``cu_seqlens_q`` and ignores the padding, so padded
-    sequences differ from no-CP already with static CP (measured; not patched here).
+    sequences differ from no-CP already with static CP (measured 2026-11-22 at 87da1c5 on a 2-core
+    x86_64 CPU VM; not patched here).
 
     megatron-core 0.19's ``process_mtp_loss`` weights the MTP loss by each rank's own
-    ``original_num_tokens / num_tokens`` (local counts) under per-token loss, so the MTP part of
-    the gradient of any CP run differed slightly from no-CP there (measured on these inputs:
-    static CP4 1.7e-4, this dynamic run 1.7e-5 relative grad norm); ``mtp-dynamic-cp-group``
-    counts them over the micro-batch's CP group, and this run keeps 1e-5 in both (a roll over a
-    wrong group, or no roll, changes the labels and is far outside it; without the patch 0.19
-    deadlocks).
+    ``original_num_tokens / num_tokens`` (local counts) under per-token loss, so the MTP part of the
+    gradient of any CP run differed slightly from no-CP there (measured on these inputs, 2026-11-22
+    at 0b91e1d on a 2-core x86_64 CPU VM: static CP4 1.7e-4, this dynamic run 1.7e-5 relative grad
+    norm); ``mtp-dynamic-cp-group`` counts them over the micro-batch's CP group, and this run keeps
+    1e-5 in both (a roll over a wrong group, or no roll, changes the labels and is far outside it;
+    without the patch 0.19 deadlocks).
     """
     mtp = {"mtp_num_layers": 1}
     lengths = [32, 48, 16, 176, 32, 48, 16, 64]

@@ -19,7 +19,7 @@ def peak_tokens(plan: Plan, lengths: list[int]) -> int:
 
 
 def test_zero_cost_model_keeps_the_cap():
-    # seed 22 of the probe: 996 tokens on one rank against a cap of 512 before
+    # seed 22 of the probe: 996 tokens on one rank against a cap of 512 before 077482d
     import random
 
     rng = random.Random(22)

@@ -1,8 +1,8 @@
 """The dynamic-CP scheduler's efficiency over caps, model sizes and length mixes (issue
 "Dynamic hierarchical CP", robustness), against the lower bounds of ``dynamic_cp.bounds``.
 
-A reduced grid of ``benchmarks/dynamic_cp.py --sweep`` (the full table is in RESULTS.md),
-including the cases that missed before: megatron's DCP lengths with an 8B-sized model at
+A reduced grid of ``benchmarks/dynamic_cp.py --sweep`` (the full table is in RESULTS.md), including
+the cases that missed before 7afb309 (2026-11-24): megatron's DCP lengths with an 8B-sized model at
 N=64 (measured 0.959 by an independent check) and hidden 512 at N=256 (0.953)."""
 
 from __future__ import annotations

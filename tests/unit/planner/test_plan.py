@@ -399,7 +399,8 @@ def test_memory_terms_by_hand():
 def test_no_cp_buffers_without_cp():
     """A CP = 1 layout holds no K/V chunks in flight, whatever cp_comm_type its config carries
     (a recipe's default "p2p"; the functional harness checks recipes this way): measured on a
-    training step (benchmarks/train_memory.py), CP 1 held none."""
+    training step (benchmarks/train_memory.py; 2026-11-29, at 879cdc3, a 2-core x86_64 CPU VM),
+    CP 1 held none."""
     mha = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=128)
     cluster = Cluster(nodes=1, gpus_per_node=8)
     plain = Layout.of(mha, Options(), tp=1, cp=1, pp=1, dp=4, seq_length=2048)
