@@ -21,42 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_hcp.functional.bridge_memory import bridge_step_memory  # noqa: E402
 from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
-
-RECIPE = "tiny_llama_pretrain_config"
-
-
-def rank_bridge_step_memory(cp: int, comm: str, seq: int, hidden: int, layers: int,
-                            heads: int) -> dict[str, int]:
-    """On this rank: Bridge's ``pretrain`` of two steps; the activations and peak of the last."""
-    import torch.distributed as dist
-
-    from megatron_hcp.bridge.run import prepare_environment
-
-    prepare_environment(cpu=True)
-    import megatron.bridge.training.train as bridge_train
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
-
-    from megatron_hcp.functional.bridge_recipe import build_bridge_config
-    from megatron_hcp.training.step_memory import counted_schedules
-
-    world = dist.get_world_size()
-    args = {"seq_length": seq, "hidden_size": hidden, "num_layers": layers,
-            "num_attention_heads": heads, "num_query_groups": heads,
-            "ffn_hidden_size": 4 * hidden, "global_batch_size": world // cp,
-            "train_iters": 2}
-    overrides = [f"model.context_parallel_size={cp}"]
-    if cp > 1:
-        overrides.append(f"model.cp_comm_type={comm}")
-    if comm == "a2a+p2p" and cp > 1:  # a2a over pairs, the ring over the rest
-        overrides.append(f"model.hierarchical_context_parallel_sizes=[2,{cp // 2}]")
-    cfg = build_bridge_config(RECIPE, args, overrides, steps=2)
-    with counted_schedules(bridge_train) as seen:
-        pretrain(cfg, forward_step)
-    model = cfg.model
-    return {**seen, "layout": (model.context_parallel_size, model.cp_comm_type if cp > 1 else None,
-                               model.hierarchical_context_parallel_sizes)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     mib = 2.0**20
     for cp in args.cp:
         with LocalWorld(args.world, timeout_s=1800, daemon=False) as world:
-            per_rank = world.run(rank_bridge_step_memory, cp, *shape, timeout_s=1800)
+            per_rank = world.run(bridge_step_memory, cp, *shape, timeout_s=1800)
         layouts = {tuple(map(str, r["layout"])) for r in per_rank}
         assert len(layouts) == 1 and next(iter(layouts))[0] == str(cp), layouts
         act = max(r["activations"] for r in per_rank)
