@@ -9,8 +9,9 @@ it dies), each as a ratio to one flash call on the same rank's tokens measured t
 the same run (:class:`~megatron_hcp.attention.reference.memory_proxy.LocalFlash`: it keeps
 exactly q, k, v, out and the LSE). Every comm type x bshd / thd (``--sequences`` packed
 sequences of equal length) x MHA (8 heads of 64), GQA (8 query heads, 2 KV heads), MLA head dims
-(d_qk 96, d_v 64) and a causal window of S/8 tokens, at CP 2, 4 and 8 (a2a+p2p as [2, CP/2]);
-each ratio is the largest over the ranks.
+(d_qk 96, d_v 64) and a causal window of S/8 tokens, at CP 2, 4 and 8 (a2a+p2p as [2, CP/2]; CP 16
+with ``--cp 16``: 16 local processes, and ``--heads 16`` for a2a); each ratio is the largest over
+the ranks.
 
 Targets (the memory issue): kept <= 1.02x for every comm type and format (an a2a level larger
 than the KV heads replicates K/V: its floor is ``a / Hkv`` times their bytes, the ``floor``
@@ -55,14 +56,15 @@ TARGET_KEPT = 1.02
 TARGET_AG = 1.1
 
 
-def cases_for(cp: int, seq: int, comms, formats, variants, sequences: int
+def cases_for(cp: int, seq: int, comms, formats, variants, sequences: int, heads: int = 8
               ) -> list[MemoryCase]:
-    """The cases of one CP size (a2a sizes must divide the 8 query heads)."""
+    """The cases of one CP size with ``heads`` query heads (MHA: as many KV heads; GQA: 2; a2a
+    sizes must divide the query heads)."""
     out = []
     for comm in comms:
         for fmt in formats:
             for variant in variants:
-                fields = dict(VARIANTS[variant])
+                fields = {"heads": heads, "kv_heads": heads, **VARIANTS[variant]}
                 if variant == "window":
                     fields["window"] = (seq // 8, 0)
                 out.append(MemoryCase(f"{comm} {fmt} {variant}", comm, cp, fmt=fmt, seq=seq,
@@ -131,16 +133,19 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["bshd", "thd"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--sequences", type=int, default=4, help="thd: packed sequences")
+    parser.add_argument("--heads", type=int, default=8,
+                        help="query heads (MHA: as many KV heads; GQA: 2); a2a at CP 16 needs 16")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
     rows = []
-    print(f"CP attention memory per rank, S={args.seq}, fp32, causal, batch 1; "
+    print(f"CP attention memory per rank, S={args.seq}, {args.heads} query heads, fp32, causal, "
+          "batch 1; "
           f"torch {torch.__version__}; ratios to one flash call on the rank's tokens "
           "(kept: after forward; floor: kept over q+k+v+out+lse; peak: forward+backward; "
           "ag: all_gather peak over flash peak + gathered K/V + their gradients)")
     for cp in args.cp:
         cases = cases_for(cp, args.seq, args.comms, args.formats, args.variants,
-                          args.sequences)
+                          args.sequences, args.heads)
         start = time.monotonic()
         with LocalWorld(cp, timeout_s=3000) as world:
             per_rank = world.run(rank_memory, tuple(cases), cp_groups=bare_cp_groups,
