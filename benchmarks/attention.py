@@ -88,15 +88,14 @@ from megatron_hcp.attention.reference.block_cost import (  # noqa: E402
 )
 from megatron_hcp.attention.reference.blocks import plan_block  # noqa: E402
 from megatron_hcp.attention.reference.functions import ring_reach  # noqa: E402
-from megatron_hcp.attention.reference.gpu.fused import FUSED_MODES  # noqa: E402
-from megatron_hcp.attention.reference.gpu.varlen import VARLEN_MODES  # noqa: E402
+from megatron_hcp.attention.reference.gpu import FUSED_MODES, VARLEN_MODES  # noqa: E402
 from megatron_hcp.attention.reference.seq_layout import SeqLayout  # noqa: E402
 from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
-from megatron_hcp.parallel_state.groups import (
-    destroy_groups,  # noqa: E402
-    new_groups,  # noqa: E402
+from megatron_hcp.parallel_state.groups import (  # noqa: E402
+    bare_cp_groups,
+    destroy_groups,
+    new_groups,
 )
-from megatron_hcp.parallel_state.layout import hierarchical_level_groups  # noqa: E402
 
 WORLD = 4
 CASES = [("p2p", 2), ("p2p", 4), ("all_gather", 2), ("all_gather", 4), ("a2a", 2), ("a2a", 4),
@@ -142,11 +141,9 @@ def attention_entries(comm: str, n: int, s: int, rank: int, a: int) -> int:
 
 
 def _groups(comm: str, n: int):
-    flat = [list(range(st, st + n)) for st in range(0, WORLD, n)]
-    if comm == "a2a+p2p":
-        per = [hierarchical_level_groups(g, [2, n // 2]) for g in flat]
-        return [new_groups([g for p in per for g in p[lvl]]) for lvl in range(2)], 2
-    return new_groups(flat), (n if comm == "a2a" else 1)
+    """This rank's CP group(s) of ``n`` (a2a+p2p: [2, n / 2]) and the a2a size."""
+    group, _ = bare_cp_groups(n, (2, n // 2) if comm == "a2a+p2p" else None)
+    return group, {"a2a+p2p": 2, "a2a": n}.get(comm, 1)
 
 
 def rank_run(comm: str, n: int, s: int, h: int, hkv: int, d: int, repeats: int,
@@ -434,8 +431,8 @@ def packed_call_table(seqs: list[int], packings: dict[str, tuple[int, ...]],
     """Lines of the --launches packed table: the attention kernel calls one rank's forward
     makes in one layer for packed (thd) sequences (max over the ranks; the backward makes as
     many), as planned - no kernel runs, so the CPU shows what a GPU would launch: masked
-    blocks (one call a block), their pieces one call each (:mod:`.pieces`), the pieces as
-    FlashAttention-2 varlen calls (:mod:`.varlen`, CUDA), and what
+    blocks (one call a block), their pieces one call each (``reference/pieces.py``), the
+    pieces as FlashAttention-2 varlen calls (``reference/gpu/varlen.py``, CUDA), and what
     ``MEGATRON_HCP_SPLIT_PACKED=auto`` plans without and with varlen calls."""
     from megatron_hcp.attention.reference.blocks import plan_block
     from megatron_hcp.attention.reference.pieces import splitting
@@ -479,7 +476,7 @@ def packed_call_table(seqs: list[int], packings: dict[str, tuple[int, ...]],
 
 def launch_table(per_rank: list[list], fused: bool = False) -> list[str]:
     """Lines of the --launches table (module docstring) from every rank's
-    ``launch_proxy.rank_launches(fused=fused)``."""
+    ``launch_proxy.rank_launches(fused=fused, cp_groups=bare_cp_groups)``."""
     from megatron_hcp.attention.reference.launch_proxy import CASES
 
     header = (f"{'case':<20} {'blocks':>6} {'attn':>5} {'forward':>8} {'backward':>9} "
@@ -546,7 +543,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.launches:
         from megatron_hcp.attention.reference.launch_proxy import rank_launches
-        from megatron_hcp.parallel_state.groups import bare_cp_groups
 
         with LocalWorld(WORLD, timeout_s=600) as world:
             for fused in (False, True):

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_hcp.attention.reference.kernels import acc_dtype  # noqa: E402
+from megatron_hcp.attention.reference.kernel_support import acc_dtype  # noqa: E402
 from megatron_hcp.attention.reference.memory_proxy import (  # noqa: E402
     MemoryCase,
     floor_bytes,

@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_hcp.attention.reference import kernels, local_attention  # noqa: E402
+from megatron_hcp.attention.reference.kernel_support import CPU_FLASH  # noqa: E402
 from megatron_hcp.attention.reference.kernels import (  # noqa: E402
-    CPU_FLASH,
     KernelChoice,
     block_backward,
     block_forward,

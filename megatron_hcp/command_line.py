@@ -58,7 +58,7 @@ def output_file(path: str, flag: str = "--plot") -> Path:
 
 class NamedStream:
     """A text stream (the command's standard output) whose refused writes - a full file system,
-    ``> /dev/full``, a read-only disk - raise :class:`~.atomic_write.OutputWriteError` naming
+    ``> /dev/full``, a read-only disk - raise :class:`~.files.atomic_write.OutputWriteError` naming
     it, from ``write`` and ``flush`` alike; everything else is the stream's own."""
 
     def __init__(self, stream: Any, name: str) -> None:

@@ -19,6 +19,11 @@ from collections.abc import Iterator
 
 CACHE_OWNERS = ("megatron.",)
 
+#: the torch.distributed backend of rank threads (:mod:`megatron_hcp.harness.threaded_world`):
+#: their groups hold nothing native and go with their world (torch's threaded registry cannot
+#: destroy one alone), so whoever destroys groups leaves theirs alone
+THREADED_BACKEND = "mhcp_threaded"
+
 
 #: where a function patched by :mod:`megatron_hcp.patching` keeps the one it replaced; followed
 #: here, so that a patch never hides an upstream cache from the release

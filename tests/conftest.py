@@ -1,7 +1,7 @@
 """Shared fixtures: one reusable gloo world per test module (see
 megatron_hcp.harness.local_world), and the two kinds of test: ``multirank`` (a module's
-``pytestmark``: it starts ranks or processes)
-and ``pure`` (every other test, checked: it starts none)."""
+``pytestmark``: it starts ranks or processes) and ``pure`` (every other test, checked: it starts
+none)."""
 
 from __future__ import annotations
 

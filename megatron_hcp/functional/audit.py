@@ -5,10 +5,9 @@ on each, one step of exactly what ``functional run --platform gpu_nccl`` runs th
 :func:`~.worker.train_recipe` / :func:`~.bridge_worker.train_bridge_recipe`, the same patches,
 no CPU runtime): model build, forward, loss, backward, optimizer step and, with dynamic CP, the
 data path - inside :func:`megatron_hcp.harness.virtual_cuda.virtual_cuda`, where ``cuda``
-tensors hold their data on the CPU and every op that would mix devices on the GPU is recorded with
-its
-file:line. Every rank runs, so every rank role (first / last pipeline stage, TP and CP ranks,
-idle dynamic-CP positions) is audited at once; the ranks' collectives are real.
+tensors hold their data on the CPU and every op that would mix devices on the GPU is recorded
+with its file:line. Every rank runs, so every rank role (first / last pipeline stage, TP and CP
+ranks, idle dynamic-CP positions) is audited at once; the ranks' collectives are real.
 ``platform="cpu_gloo"`` audits the CPU run instead, on a machine whose torch reports CUDA: every
 use of CUDA by the run's code is a finding.
 

@@ -2,16 +2,15 @@
 forked from a server that has already imported torch and megatron-core.
 
 torchrun starts each rank as a fresh interpreter, and importing torch and megatron-core costs
-several CPU-seconds per rank; on a small CPU machine that is most of a short recipe's time.
-Here the ranks are forked from :mod:`multiprocessing`'s forkserver (shared by every world of
-this process, see :mod:`megatron_hcp.harness.local_world`), so each run still gets fresh
-processes but the imports are paid once per process. Each rank sees what torchrun would give it
-(``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store this process owns)
-and runs the same ``main(argv)`` of the worker module; its output goes to a log that the
-caller reads with torchrun's ``[rankN]:`` prefixes. The first rank to fail ends the others,
-as torchrun does; Ctrl-C, SIGTERM or SIGHUP reaching this process reach the ranks too
-(:mod:`.signals`). CPU (gloo) runs on one node only: a forked process cannot initialize CUDA.
+several CPU-seconds per rank; on a small CPU machine that is most of a short recipe's time. Here the
+ranks are forked from :mod:`multiprocessing`'s forkserver (shared by every world of this process,
+see :mod:`megatron_hcp.harness.local_world`), so each run still gets fresh processes but the imports
+are paid once per process. Each rank sees what torchrun would give it (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store this process owns) and runs the same
+``main(argv)`` of the worker module; its output goes to a log that the caller reads with torchrun's
+``[rankN]:`` prefixes. The first rank to fail ends the others, as torchrun does; Ctrl-C, SIGTERM or
+SIGHUP reaching this process reach the ranks too (:mod:`.signals`). CPU (gloo) runs on one node
+only: a forked process cannot initialize CUDA.
 
 The ranks of one run are forked by a *zygote*, itself forked from the forkserver: it runs the
 worker module's optional ``prefork(argv)`` once (work every rank would repeat, such as Bridge's

@@ -144,7 +144,7 @@ def _check_run(metrics: Mapping[str, Mapping[Any, float]], steps: int) -> None:
 
 
 def write_golden(path: Path, metrics: dict[str, dict[Any, float]]) -> dict[str, dict]:
-    """Write ``metrics`` as golden values atomically (:func:`~..atomic_write.write_atomic`:
+    """Write ``metrics`` as golden values atomically (:func:`~..files.atomic_write.write_atomic`:
     a temporary file named after this process, fsync, rename, fsync dir); temporary files of
     an earlier, interrupted write are removed first."""
     golden = validate_golden(to_golden(metrics), "new golden values")

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..group_release import THREADED_BACKEND
 from .local_world import RankError
 
 __all__ = ["BACKEND", "ThreadedWorld", "ThreadedWorldError"]
 
-BACKEND = "mhcp_threaded"  # the registered torch.distributed backend name of the rank threads
+BACKEND = THREADED_BACKEND  # the registered torch.distributed backend name of the rank threads
 _POLL_S = 0.05
 
 
@@ -281,8 +282,7 @@ class ThreadedWorld:
 
         A rank that raises makes this raise
         :class:`~megatron_hcp.harness.local_world.RankError`; the world is then closed (the other
-        ranks were released from their collectives) and
-        restarts on the next call."""
+        ranks were released from their collectives) and restarts on the next call."""
         self.start()
         assert self._results is not None
         for thread in self._threads:

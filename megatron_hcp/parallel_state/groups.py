@@ -1,5 +1,7 @@
 """Create and destroy process groups from rank lists (:mod:`.layout`): plain groups, the levels
-of hierarchical CP, and the one place that turns optional group options into keyword arguments."""
+of hierarchical CP, the bare CP groups the attention's measuring proxies run on
+(:func:`bare_cp_groups`), and the one place that turns optional group options into keyword
+arguments."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ..config.topology import Groups, hierarchical_level_groups
+from ..group_release import THREADED_BACKEND
 
-__all__ = ["DefaultBackendDistributed", "collective_device", "create_hierarchical_groups",
-           "destroy_groups", "group_kwargs",
-           "new_groups"]
+__all__ = ["DefaultBackendDistributed", "bare_cp_groups", "collective_device",
+           "create_hierarchical_groups", "destroy_groups", "group_kwargs", "new_groups"]
 
 
 def collective_device(group: Any = None) -> torch.device:
@@ -44,15 +46,13 @@ def destroy_groups(groups: Any) -> None:
     """
     from torch.distributed import distributed_c10d as c10d
 
-    from ..harness.threaded_world import BACKEND as THREADED
-
     live = c10d._world.pg_map
     seen: set[int] = set()
     for group in groups:
         if group is None or id(group) in seen or group is c10d.GroupMember.WORLD:
             continue
         seen.add(id(group))
-        if group in live and dist.get_backend(group) != THREADED:
+        if group in live and dist.get_backend(group) != THREADED_BACKEND:
             dist.destroy_process_group(group)
 
 

@@ -180,7 +180,7 @@ def audit_varlen_calls() -> tuple[list[dict], dict]:
     gradients, the check) is the code under audit."""
     import torch.distributed as dist
 
-    from megatron_hcp.attention.reference.blocks import BlockCounter
+    from megatron_hcp.attention.reference.block_counter import BlockCounter
     from megatron_hcp.attention.reference.gpu import varlen
     from megatron_hcp.attention.reference.launch_proxy import LaunchCase, rank_launches
     from megatron_hcp.harness.virtual_cuda import virtual_cuda

@@ -18,7 +18,7 @@ from megatron_hcp.attention.reference import (
 )
 from megatron_hcp.attention.reference.block_cost import measure_block_cost
 from megatron_hcp.attention.reference.gpu.fused import _Compiled, fuses
-from megatron_hcp.attention.reference.kernels import CUDA_EFFICIENT, CUDA_FLASH
+from megatron_hcp.attention.reference.kernel_support import CUDA_EFFICIENT, CUDA_FLASH
 from megatron_hcp.harness.threaded_world import ThreadedWorld
 from tests.gpu._need import needs
 from tests.unit.attention.test_cp_attention import (

@@ -77,11 +77,10 @@ FOUNDATION_IMPORTS = {# what every subcommand shares reads with the foundation's
 # subpackages that say what they hold
 ROOT_MODULES_MAX = 6
 # the product modules that use the harness (local ranks, the emulated GPU): to start ranks
-# (verify-groups, the functional launcher, the device audit) and to leave the groups of rank
-# threads to their world; any other use fails test_the_product_uses_the_harness_only_to_start_ranks
+# (verify-groups, the functional launcher, the device audit); any other use fails
+# test_the_product_uses_the_harness_only_to_start_ranks
 HARNESS_USERS = {
     ("megatron_hcp.parallel_state.command", "megatron_hcp.harness.local_world"),
-    ("megatron_hcp.parallel_state.groups", "megatron_hcp.harness.threaded_world"),
     ("megatron_hcp.functional.audit", "megatron_hcp.harness.local_world"),
     ("megatron_hcp.functional.audit", "megatron_hcp.harness.virtual_cuda"),
     ("megatron_hcp.functional.forked", "megatron_hcp.harness.local_world"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_architecture import LAYERS
+from tests.unit.test_architecture import LAYERS, REFERENCE_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -88,6 +88,16 @@ def test_every_docs_page_is_linked_from_the_readme_and_opens_with_what_a_user_do
     for page in PAGES:
         body = page.read_text(encoding="utf-8").split("\n\n")
         assert body[0].startswith("# ") and body[1].startswith("**What you do.**"), page.name
+
+
+def test_architecture_page_draws_the_reference_layers_the_architecture_test_checks():
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Inside `attention/reference/`", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([a-zA-Z ]+?) \| ([^|]+?) \|", section, re.M)[1:]  # past the head
+    drawn = [frozenset(re.findall(r"`([\w/]+(?:\.py)?)`", modules)) for _, modules in rows]
+    checked = [frozenset("gpu/" if m == "gpu" else m.split(".")[-1] + ".py" for m in names)
+               for names in REFERENCE_LAYERS]
+    assert drawn == checked
 
 
 def test_architecture_page_draws_the_floors_the_architecture_test_checks():

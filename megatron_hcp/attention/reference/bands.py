@@ -11,7 +11,7 @@ anything, that is exactly FlashAttention-2's local attention of the trimmed piec
 mask is aligned bottom-right, so row ``i`` sees ``j - i`` in
 ``[(cols - rows) - wl, (cols - rows) + wr]``, and the trimming makes both ``wl`` and ``wr``
 non-negative (the last row sees a key, and the last column is seen). Pieces of one window
-``(wl, wr)`` whose rows and columns increase are one varlen call (:mod:`.varlen`). No CPU
+``(wl, wr)`` whose rows and columns increase are one varlen call (:mod:`.gpu.varlen`). No CPU
 kernel takes a window: only the varlen calls (CUDA) use bands; the masked block stays the
 plan everywhere else.
 """

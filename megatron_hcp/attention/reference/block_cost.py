@@ -12,17 +12,17 @@ kernel, or its efficient one where flash cannot run, e.g. fp32 on CUDA). ``ratio
 baseline; issue #34's goal is <= 1.10 at CP <= 8, <= 1.25 at CP 16.
 
 A sliding window makes the blocks masked (the fused kernels with an additive mask, those the
-window sees nothing of skipped) or bands in FlashAttention-2's own window (:mod:`.varlen`).
+window sees nothing of skipped) or bands in FlashAttention-2's own window (:mod:`.gpu.varlen`).
 Packed sequences (``lengths``) replay the blocks of packed ``thd`` data (halves grouped, as
 the backend holds them), masked or in per-sequence pieces (:mod:`.pieces`). Their baseline is
 the one flash call of the same work (:attr:`BlockCost.baseline`): where FlashAttention-2
-takes the tensors and its kernel matched the reference (:func:`~.varlen.fa2_checked`: CUDA,
+takes the tensors and its kernel matched the reference (:func:`~.gpu.varlen.fa2_checked`: CUDA,
 fp16/bf16, one head dim), one varlen call on the whole problem, its window FA2's own and
 every packed sequence a segment; elsewhere one SDPA call with the window as an S x S mask
 (torch's efficient kernel: flash takes no mask; up to ``MAX_WINDOW_BASELINE`` tokens), and one
 SDPA call per packed sequence.
 
-``fused``: how the replay runs its merges and masks (:mod:`.fused`: ``"off"`` eager,
+``fused``: how the replay runs its merges and masks (:mod:`.gpu.fused`: ``"off"`` eager,
 ``"auto"`` fused where Triton runs, ``"on"`` fused), so one run measures both;
 :attr:`BlockCost.merges` and :attr:`BlockCost.masks` say which path they took.
 """
@@ -39,10 +39,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...sharding import thd_partition_indices
-from .blocks import BlockCounter, Window, plan_block
+from .block_counter import BlockCounter
+from .blocks import plan_block
 from .functions import _backward_block, _forward_block, _varlen
 from .gpu import VarlenCall, fa2_checked, fusing, varlen_backward, varlen_forward, varlening
-from .kernels import acc_dtype
+from .kernel_support import acc_dtype
+from .masks import Window
 from .pieces import splitting
 from .seq_layout import SeqLayout, half_grouping
 

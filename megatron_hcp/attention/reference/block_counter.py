@@ -21,8 +21,8 @@ class BlockCounter:
     (query rows, key columns) of each block run, ``skipped`` the number of blocks a sliding
     window saw nothing of (their K/V still travel: other ranks need them), ``kernels`` the
     kernel calls per (kernel, reason it is not a fused one) - see :mod:`.kernels` - and, per
-    path (``"fused"``, ``"eager"``: :mod:`.fused`), ``merges`` the LSE merges
-    (:mod:`.merge`) and ``masks`` the additive masks built (:meth:`BlockMask.additive`)."""
+    path (``"fused"``, ``"eager"``: :mod:`.gpu.fused`), ``merges`` the LSE merges
+    (:mod:`.merge`) and ``masks`` the additive masks built (:meth:`~.masks.BlockMask.additive`)."""
 
     computed: list[tuple[int, int]] = field(default_factory=list)
     skipped: int = 0

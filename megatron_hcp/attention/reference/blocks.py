@@ -17,7 +17,8 @@ by position inside the sequence.
 A sliding window ``(left, right)`` (query at position i sees keys i-left .. i+right, ``-1`` =
 unbounded, as in Transformer Engine) adds its band to the mask; a block is trimmed to the rows and
 columns that see anything and skipped (``None``) when the window sees none of it.
-:class:`BlockCounter` records which blocks the forward computed and which it skipped.
+:class:`~.block_counter.BlockCounter` records which blocks the forward computed and which it
+skipped.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from functools import lru_cache
 import torch
 
 from .bands import block_bands
-from .block_counter import COUNTERS, BlockCounter
+from .block_counter import COUNTERS
 from .gpu import VarlenCall, kernel_calls, varlen_calls
 from .masks import BlockMask, Meta, Window
 from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
 
-__all__ = ["Block", "BlockCounter", "BlockMask", "Window", "plan_block", "record_block", "take"]
+__all__ = ["Block", "plan_block", "record_block", "take"]
 
 Selector = slice | torch.Tensor
 
@@ -42,10 +43,10 @@ Selector = slice | torch.Tensor
 @dataclass(frozen=True)
 class Block:
     """Query ``rows`` against key/value ``cols`` (slices or token indices), ``causal`` (the
-    square diagonal) or masked by ``mask`` (a :class:`BlockMask`); or, where ``pieces`` is
+    square diagonal) or masked by ``mask`` (a :class:`~.masks.BlockMask`); or, where ``pieces`` is
     not ``None``, computed as those dense blocks (:mod:`.pieces`: a packed block per
     sequence) instead; ``calls``: the varlen calls that compute the block (its pieces, or a
-    windowed block's bands: :mod:`.varlen`) where the kernel takes them."""
+    windowed block's bands: :mod:`.gpu.varlen`) where the kernel takes them."""
 
     rows: Selector
     cols: Selector
@@ -61,7 +62,7 @@ def _size(sel: Selector, n: int) -> int:
 
 def record_block(block: Block | None, layout: SeqLayout) -> None:
     """Count a forward block (``None``: skipped; one in pieces: each piece, or skipped where it
-    has none) in every active :class:`BlockCounter`."""
+    has none) in every active :class:`~.block_counter.BlockCounter`."""
     if block is not None and block.pieces is not None:  # the pieces are the blocks run;
         for piece in block.pieces:  # none (every token padding): nothing is seen, as a
             record_block(piece, layout)  # window's skipped block
@@ -157,7 +158,7 @@ def _piece_blocks(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, wh
                   causal: bool
                   ) -> tuple[tuple[Block, ...], tuple[VarlenCall, ...], int] | None:
     """:func:`~.pieces.block_pieces` as dense blocks of slices, as varlen calls
-    (:func:`~.varlen.varlen_calls`), and the pairs they compute, once per packing."""
+    (:func:`~.gpu.varlen.varlen_calls`), and the pairs they compute, once per packing."""
     pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
     if pieces is None:
         return None
@@ -193,8 +194,8 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
     """The block of ``q_layout``'s queries against ``kv_layout``'s keys (same chunking);
     ``None`` when ``window`` leaves no visible pair in it. Index tensors and the mask are on
     the layouts' device. ``varlen`` (q's heads and head dim, or ``True``: as planned): a
-    packed block in pieces will run as its varlen calls (:mod:`.varlen`), so splitting costs
-    the calls FA2 runs (:func:`~.varlen.kernel_calls`), not one per piece; a windowed block
+    packed block in pieces will run as its varlen calls (:mod:`.gpu.varlen`), so splitting costs
+    the calls FA2 runs (:func:`~.gpu.varlen.kernel_calls`), not one per piece; a windowed block
     gets the varlen calls of its bands (:mod:`.bands`) besides its mask where they cost less
     (:func:`~.pieces.worth_splitting`, in ``MEGATRON_HCP_SPLIT_PACKED``'s mode)."""
     halves = _halves(q_layout, kv_layout, causal)

@@ -29,9 +29,11 @@ import torch
 from ...sharding import contiguous_window_reach
 from . import comm
 from .block_counter import record_kernel
-from .blocks import Block, Window, plan_block, record_block, take
+from .blocks import Block, plan_block, record_block, take
 from .gpu import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
-from .kernels import acc_dtype, block_backward, block_forward, row_chunks
+from .kernel_support import acc_dtype
+from .kernels import block_backward, block_forward, row_chunks
+from .masks import Window
 from .merge import merge_into
 from .pieces import split_mode, splitting
 from .reorder import OutputOrder, split_kv
@@ -73,7 +75,7 @@ def _add_bias_grad(dbias, grad, where) -> None:
 
 
 def _calls(block: Block, q: torch.Tensor, varlen: object):
-    """The varlen calls a block runs as (:func:`~.varlen.kernel_calls` for q's heads and head
+    """The varlen calls a block runs as (:func:`~.gpu.varlen.kernel_calls` for q's heads and head
     dim), or ``None``: not ``varlen``, no calls planned, or a segment FA2 cannot take (the
     block then runs its pieces one call each, or its mask)."""
     if not varlen or block.calls is None:
@@ -220,7 +222,7 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
             window: Window) -> tuple[int, int] | None:
     """q's (heads, head dim) where this call's packed blocks in pieces and windowed blocks
-    run as varlen calls (:func:`~.varlen.varlen_takes`; a dense layout without a window has
+    run as varlen calls (:func:`~.gpu.varlen.varlen_takes`; a dense layout without a window has
     neither), else ``None``: :func:`~.blocks.plan_block`'s ``varlen``. Planned once per
     forward and saved for its backward."""
     if (not layout.is_dense or window is not None) and varlen_takes(q, k, v):

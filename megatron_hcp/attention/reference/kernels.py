@@ -6,7 +6,7 @@ Its forward returns the block output and LSE; partial results merge exactly thro
 block's gradients are exact contributions to the full gradients.
 
 Which kernel a block takes (:func:`choose_kernel`, from the block's shape alone; recorded per
-forward block in :class:`~.blocks.BlockCounter`):
+forward block in :class:`~.block_counter.BlockCounter`):
 
 * ``cpu_flash`` - PyTorch's blockwise CPU flash kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward): CPU blocks without
@@ -46,12 +46,11 @@ import torch
 from torch.torch_version import TorchVersion
 
 from .block_counter import record_kernel
-from .kernel_support import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, KERNELS, MATH, acc_dtype
+from .kernel_support import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, MATH, acc_dtype
 from .kernel_support import torch_accepts as _torch_accepts
 from .masks import BlockMask, additive_of
 
-__all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "KERNELS", "MATH", "KernelChoice",
-           "acc_dtype", "block_backward", "block_forward", "choose_kernel", "kernel_for",
+__all__ = ["KernelChoice", "block_backward", "block_forward", "choose_kernel", "kernel_for",
            "row_chunks"]
 
 _NEG_INF = float("-inf")
@@ -225,8 +224,8 @@ def _additive(mask: torch.Tensor | BlockMask, causal: bool, q: torch.Tensor, see
     aligned (a view of a padded buffer: the efficient kernel loads bias rows 128 bits at a
     time and checks only part of that, and torch's SDPA front end pads the mask the same way
     before calling it) and it is seen as [B, H, Sq, Sk] (the kernel takes a 4-D bias; the
-    expansion copies nothing). A :class:`~.blocks.BlockMask` builds it from its tokens'
-    metadata (one fused kernel where :mod:`.fused` says so)."""
+    expansion copies nothing). A :class:`~.masks.BlockMask` builds it from its tokens'
+    metadata (one fused kernel where :mod:`.gpu.fused` says so)."""
     if causal:  # never planned with a mask: the triangle folds into booleans
         mask = mask.dense() if isinstance(mask, BlockMask) else mask
         mask = mask & torch.ones_like(mask).tril()
@@ -405,10 +404,10 @@ def block_forward(
     """Attention of ``q`` [B,H,Sq,D] on ``k`` [B,Hkv,Sk,D], ``v`` [B,Hkv,Sk,Dv]; (out, lse).
 
     ``causal`` is top-left aligned (query i sees keys <= i); ``mask`` [Sq, Sk] marks visible
-    pairs (booleans, or a :class:`~.blocks.BlockMask` that builds them); ``bias``
+    pairs (booleans, or a :class:`~.masks.BlockMask` that builds them); ``bias``
     (broadcastable to [B,H,Sq,Sk]) is added after scaling. ``kernel``: the block's
     :func:`kernel_for` (computed when not given; counted in every active
-    :class:`~.blocks.BlockCounter`). ``out`` has q's dtype (the fused kernels) or the
+    :class:`~.block_counter.BlockCounter`). ``out`` has q's dtype (the fused kernels) or the
     accumulation dtype (math); ``lse`` is [B,H,Sq].
     """
     heads = q.shape[1]

@@ -120,7 +120,7 @@ def rank_launches(cases: tuple[LaunchCase, ...] = CASES, device: str = "cpu",
     """On every rank of the world: (forward, backward, forward blocks) of each case's step,
     on the groups ``cp_groups`` makes. Cases whose CP size does not divide the world are
     refused. ``fused``: every merge and mask
-    counted as the kernels :mod:`.fused` is expected to launch for it on a GPU
+    counted as the kernels :mod:`.gpu.fused` is expected to launch for it on a GPU
     (:func:`~.launches.count_launches`); CPU only."""
     if fused and device != "cpu":
         raise ValueError(f"rank_launches(fused=True, device={device!r}): fused regions are "

@@ -20,7 +20,7 @@ budget: a change that adds launches to CP attention fails on the CPU, in CI (iss
 CPU every op is counted; on a GPU the ops on host metadata (packing, permutations) are host
 work rather than launches - the same overhead, paid on the host.
 
-``fused=True`` counts the work that :mod:`.fused` compiles (a merge, a block's mask: each inside
+``fused=True`` counts the work that :mod:`.gpu.fused` compiles (a merge, a block's mask: each inside
 :func:`fused_region`) as the kernels the compiled function launches on a GPU, named by its
 region - what a GPU launches with ``MEGATRON_HCP_FUSED_OPS`` fusing them; the ops still run
 eagerly here, where the counter watches them. Those kernel counts are inductor's expected Triton
@@ -97,7 +97,7 @@ _WATCHING: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def fused_region(name: str, kernels: int = 1) -> Iterator[None]:
-    """Work that :mod:`.fused` compiles, run eagerly here: a counter with ``fused=True``
+    """Work that :mod:`.gpu.fused` compiles, run eagerly here: a counter with ``fused=True``
     counts it as the ``kernels`` kernels of the compiled function, under ``name``; otherwise
     nothing changes."""
     watch = _WATCHING.get()

@@ -76,7 +76,7 @@ class BlockMask:
     causal order and the window band - held as its tokens' metadata (``q``, ``k``: sequence
     id, position, real token) and built as a [rows, cols] tensor only where a kernel takes it:
     booleans (:meth:`dense`, the math path) or the fused kernels' additive mask
-    (:meth:`additive`: one fused kernel where :func:`~.fused.fuses`, instead of a dozen passes
+    (:meth:`additive`: one fused kernel where :func:`~.gpu.fused.fuses`, instead of a dozen passes
     over the block)."""
 
     q: Meta

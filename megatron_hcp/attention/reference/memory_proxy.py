@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ...sharding import get_local_chunk
 from .api import context_parallel_attention
-from .kernels import MATH, acc_dtype, block_backward, block_forward, choose_kernel
+from .kernel_support import MATH, acc_dtype
+from .kernels import block_backward, block_forward, choose_kernel
 from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 

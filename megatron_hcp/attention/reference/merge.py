@@ -9,7 +9,7 @@ a row is copied in (what the merge gives on an output of 0 and an LSE of ``-inf`
   have rows that see no key (their ``w`` is NaN: set to 0), one more where the block output is
   in half precision (its conversion to the fp32 accumulator), and a gather and two scatters
   where the block's rows are an index (a window's trimmed rows).
-* **fused** - the same ops as one compiled function (:mod:`.fused`:
+* **fused** - the same ops as one compiled function (:mod:`.gpu.fused`:
   ``MEGATRON_HCP_FUSED_OPS``), the gather and scatters included: :data:`FUSED_KERNELS` Triton
   kernels expected on a GPU.
 """
@@ -91,7 +91,8 @@ def merge_into(
     ``out_acc`` [B,H,S,Dv] and ``lse_acc`` [B,H,S] are in the accumulation dtype. ``first``: no
     block was merged into ``out_acc`` yet (out 0, LSE ``-inf`` everywhere), so the block is
     copied in - exactly what the merge gives. Otherwise the module docstring's merge, eager or
-    fused (:func:`~.fused.fuses`; counted in every active :class:`~.blocks.BlockCounter`).
+    fused (:func:`~.gpu.fused.fuses`; counted in every active
+    :class:`~.block_counter.BlockCounter`).
     ``empty_rows``: the block may have rows that see no key (LSE ``-inf``: a mask, or a bias
     with ``-inf``); without it every row of the block saw a key (dense blocks), and no row can
     turn to NaN.

@@ -10,13 +10,15 @@ import torch
 
 from megatron_hcp.attention.reference import BlockCounter, full_attention, local_attention, pad_thd
 from megatron_hcp.attention.reference.block_cost import measure_block_cost, rank_block_pass
-from megatron_hcp.attention.reference.kernels import (
+from megatron_hcp.attention.reference.kernel_support import (
     CPU_FLASH,
     CUDA_EFFICIENT,
     CUDA_FLASH,
     MATH,
+    torch_accepts,
+)
+from megatron_hcp.attention.reference.kernels import (
     KernelChoice,
-    _torch_accepts,
     block_backward,
     block_forward,
     choose_kernel,
@@ -203,8 +205,8 @@ def test_an_empty_packing_runs_without_a_fused_kernel():
 def test_torch_refuses_its_cuda_kernels_for_cpu_tensors():
     """The confirmation step of kernel_for builds torch's SDPA parameters on this torch."""
     q = torch.randn(1, 2, 8, 8)
-    assert not _torch_accepts(CUDA_FLASH, q, q, q, True)
-    assert not _torch_accepts(CUDA_EFFICIENT, q, q, q, False)
+    assert not torch_accepts(CUDA_FLASH, q, q, q, True)
+    assert not torch_accepts(CUDA_EFFICIENT, q, q, q, False)
 
 
 def test_torch_is_asked_about_grouped_kv_as_such(monkeypatch):
@@ -214,8 +216,8 @@ def test_torch_is_asked_about_grouped_kv_as_such(monkeypatch):
     from megatron_hcp.attention.reference import kernels
 
     q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
-    assert not _torch_accepts(CUDA_FLASH, q, kv, kv, True)
-    assert not _torch_accepts(CUDA_EFFICIENT, q, kv.repeat_interleave(2, 1), kv, False)
+    assert not torch_accepts(CUDA_FLASH, q, kv, kv, True)
+    assert not torch_accepts(CUDA_EFFICIENT, q, kv.repeat_interleave(2, 1), kv, False)
     asked = []
 
     def accepts(kernel, q, k, v, causal, mask=None):
@@ -603,10 +605,10 @@ def test_torch_is_asked_as_for_training_with_an_unallocated_mask(monkeypatch):
     monkeypatch.setattr(sdp, "can_use_efficient_attention", check)
     q = torch.randn(1, 2, 64, 8)
     with torch.no_grad():
-        assert _torch_accepts(CUDA_EFFICIENT, q, q, q, False,
+        assert torch_accepts(CUDA_EFFICIENT, q, q, q, False,
                               torch.ones(64, 48, dtype=torch.bool))
     with torch.inference_mode():
         frozen = torch.randn(1, 2, 64, 8)
-        assert _torch_accepts(CUDA_EFFICIENT, frozen, frozen, frozen, True)
+        assert torch_accepts(CUDA_EFFICIENT, frozen, frozen, frozen, True)
     assert seen == [(True, True, (0, 1)), (True, False, None)], seen
     assert not q.requires_grad

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hcp.attention.reference.kernels import CPU_FLASH, MATH
+from megatron_hcp.attention.reference.kernel_support import CPU_FLASH, MATH
 from megatron_hcp.harness.local_world import RankError
 from megatron_hcp.harness.threaded_world import ThreadedWorld, ThreadedWorldError
 from tests.gpu.test_one_gpu_attention import kernels_and_errors

@@ -1,6 +1,6 @@
 """A packed block's pieces in a few FlashAttention-2 varlen calls (CUDA) instead of one each.
 
-:mod:`.pieces` cuts a packed (``thd``) block into dense pieces, one per pair of a sequence's
+:mod:`..pieces` cuts a packed (``thd``) block into dense pieces, one per pair of a sequence's
 runs; on their own, each piece is a kernel call, a merge and its gradients' adds, so a block of
 many short sequences costs many launches. FlashAttention-2's variable-length kernel
 (``aten::_flash_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``, as
@@ -13,10 +13,10 @@ tokens of sequences with nothing in the pair) become segments of rows without ke
 writes output 0 and LSE ``+inf`` for them, read here as ``-inf``) and of keys without rows.
 A block takes one call per chain whatever the number of sequences: at most two with a causal
 mask (the diagonal squares and the keys before the queries), three without. A windowed block
-(dense or packed) becomes bands under FA2's own sliding window (:mod:`.bands`), chained the
+(dense or packed) becomes bands under FA2's own sliding window (:mod:`..bands`), chained the
 same way per window: at most four calls for one sequence; packed sequences of different
 lengths give bands of different windows, a chain each, and the block takes its calls only
-where they cost less than its mask (:func:`~.pieces.worth_splitting`).
+where they cost less than its mask (:func:`~..pieces.worth_splitting`).
 
 ``MEGATRON_HCP_VARLEN`` chooses for blocks computed in pieces: ``auto`` (the default: on CUDA
 where FlashAttention-2 takes the block's q/k/v - fp16/bf16, one head dim, a multiple of 8 up
@@ -46,7 +46,7 @@ from ..pieces import Piece
 from ..switches import Switch
 from .fused import _capturing
 
-__all__ = ["VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_checked",
+__all__ = ["VARLEN", "VARLEN_ENV", "VARLEN_KERNEL", "VARLEN_MODES", "VarlenCall", "fa2_checked",
            "fa2_visible", "forget_kernel_checks", "kernel_calls", "kernel_matches_reference",
            "max_seqlens", "reference_backward", "reference_forward", "varlen_backward",
            "varlen_calls", "varlen_forward", "varlen_mode", "varlen_takes", "varlening"]
@@ -70,7 +70,7 @@ def varlen_mode() -> str:
 
 def varlening(mode: str):
     """Blocks in pieces computed as ``mode`` inside the block, in this thread
-    (:class:`~.switches.Switch`)."""
+    (:class:`~..switches.Switch`)."""
     return VARLEN.chosen(mode)
 
 
@@ -79,7 +79,7 @@ class VarlenCall(NamedTuple):
     ``[col, col + cols)``, cut into segments of ``q_lens`` rows against ``k_lens`` columns
     (in order, covering both spans); ``causal``: every segment with both is a causal square;
     ``window``: FA2's sliding window of every segment (bottom-right aligned, ``-1`` unbounded:
-    :mod:`.bands`)."""
+    :mod:`..bands`)."""
 
     row: int
     rows: int
