@@ -75,7 +75,7 @@ def window_override(raw: str) -> str:
     (Bridge's scalar window, as a provider holds it: :func:`read_window`) becomes
     ``[W-1,0]``; anything else is left to the strict reader (``[16]`` stays refused)."""
     text = raw.strip()
-    if text.lstrip("+-").isdigit():
+    if text.isascii() and text.lstrip("+-").isdecimal():  # not "¹": digits int() reads
         left, right = read_window(int(text))  # type: ignore[misc]
         return f"[{left},{right}]"
     return raw

@@ -99,7 +99,8 @@ def _type_violations(config: CPConfig) -> list[Violation]:
         accepts, wanted = _TYPES["int" if base in LIMITS else base]
         if value is None or not accepts(value):
             hint = (f"; {name}={int(value)} if you meant the number" if isinstance(value, str)
-                    and value.strip().lstrip("+-").isdigit() and len(value) < 30 else "")
+                    and value.strip().lstrip("+-").isdecimal() and value.isascii()
+                    and len(value) < 30 else "")
             out.append(Violation(name, value, f"must be {wanted}"
                                  + (" (or None)" if optional else "")
                                  + f", not {type(value).__name__}",

@@ -252,7 +252,7 @@ def _holder(lock: Path) -> str:
         text = lock.read_text(encoding="ascii", errors="replace").strip()
     except OSError:
         return "unknown"
-    return text if text.isdigit() else "unknown"
+    return text if text.isascii() and text.isdecimal() else "unknown"
 
 
 @dataclass

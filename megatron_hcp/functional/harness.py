@@ -131,7 +131,7 @@ def rank_exceptions(log: list[str]) -> list[str]:
             last[name] = text.strip()
 
     def order(name: str) -> tuple[int, int]:
-        return (0, int(name[4:])) if name[4:].isdigit() else (1, 0)
+        return (0, int(name[4:])) if name[4:].isascii() and name[4:].isdecimal() else (1, 0)
 
     return [f"[{name}]: {last[name]}" for name in sorted(last, key=order)]
 

@@ -37,6 +37,17 @@ def test_every_form_megatron_and_bridge_give(raw, want):
     assert cp_config_from_bridge(SimpleNamespace(window_size=raw)).window_size == want
 
 
+@pytest.mark.parametrize("raw, want", [
+    ("512", "[511,0]"), (" +8 ", "[7,0]"), ("[127,0]", "[127,0]"),
+    ("\u00b9", "\u00b9"),   # a superscript one: str.isdigit() says yes, int() refuses; left
+    ("\u0664", "\u0664"),   # to the strict reader, like any text that is not a plain integer
+])
+def test_a_window_override_is_rewritten_only_when_it_is_a_plain_integer(raw, want):
+    from megatron_hcp.bridge.config import window_override
+
+    assert window_override(raw) == want
+
+
 @pytest.mark.parametrize("raw, says", [
     (0, "token count and must be >= 1"),
     (-1, "token count and must be >= 1"),
