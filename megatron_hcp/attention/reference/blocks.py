@@ -46,7 +46,12 @@ class Block:
     square diagonal) or masked by ``mask`` (a :class:`~.masks.BlockMask`); or, where ``pieces`` is
     not ``None``, computed as those dense blocks (:mod:`.pieces`: a packed block per
     sequence) instead; ``calls``: the varlen calls that compute the block (its pieces, or a
-    windowed block's bands: :mod:`.gpu.varlen`) where the kernel takes them."""
+    windowed block's bands: :mod:`.gpu.varlen`) where the kernel takes them. ``row_run`` /
+    ``col_run``: where ``rows`` / ``cols`` are an index of one run of consecutive tokens, that
+    run as a slice - the backward takes the block's tensors as views of it (no gathered copies
+    of q, K/V, dO and O) and adds its gradients into it. The forward keeps the index: its
+    merges are compiled per layout of the block's output (:mod:`.gpu.fused`), and a kernel's
+    output from views would multiply their variants past dynamo's recompile limit."""
 
     rows: Selector
     cols: Selector
@@ -54,6 +59,18 @@ class Block:
     mask: BlockMask | None
     pieces: tuple[Block, ...] | None = None
     calls: tuple[VarlenCall, ...] | None = None
+    row_run: slice | None = None
+    col_run: slice | None = None
+
+    @property
+    def row_view(self) -> Selector:
+        """The rows as a block takes its tensors: the run where there is one."""
+        return self.rows if self.row_run is None else self.row_run
+
+    @property
+    def col_view(self) -> Selector:
+        """The columns as a block takes its tensors: the run where there is one."""
+        return self.cols if self.col_run is None else self.col_run
 
 
 def _size(sel: Selector, n: int) -> int:
@@ -130,18 +147,29 @@ def _spans(parts, start: str, size: str) -> torch.Tensor:
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
                  halves: tuple[str, str]
-                 ) -> tuple[Selector, Selector, Meta, Meta] | None:
+                 ) -> tuple[Selector, Selector, Meta, Meta, slice | None, slice | None] | None:
     """The rows and columns of a windowed block that see anything (token indices on the
-    layouts' device; every local token: a slice) and their metadata, or ``None`` when the
-    window sees none of it: from the block's bands (:func:`~.bands.block_bands`: per pair of
-    runs, exactly the rows and columns that see anything) - no [rows, cols] mask on the host
-    - once per packing (every layer and the backward reuse it; no device read per block)."""
+    layouts' device; every local token: a slice), their metadata and, where an index is one
+    run of consecutive tokens, that run (:attr:`Block.row_run`), or ``None`` when the window
+    sees none of it: from the block's bands (:func:`~.bands.block_bands`: per pair of runs,
+    exactly the rows and columns that see anything) - no [rows, cols] mask on the host - once
+    per packing (every layer and the backward reuse it; no device read per block)."""
     parts = block_bands(q_layout, kv_layout, halves[0], halves[1], causal, window)
     if not parts:
         return None
-    rows = _whole_or(_spans(parts, "row", "rows"), q_layout)
-    cols = _whole_or(_spans(parts, "col", "cols"), kv_layout)
-    return rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols)
+    row_index, col_index = _spans(parts, "row", "rows"), _spans(parts, "col", "cols")
+    rows, cols = _whole_or(row_index, q_layout), _whole_or(col_index, kv_layout)
+    return (rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols),
+            _run_of(row_index, rows), _run_of(col_index, cols))
+
+
+def _run_of(index: torch.Tensor, sel: Selector) -> slice | None:
+    """``index`` (ascending, on the host) as a slice where it is one run of consecutive
+    tokens and ``sel`` is not a slice already."""
+    n = int(index.numel())
+    if isinstance(sel, slice) or n == 0 or int(index[-1]) - int(index[0]) + 1 != n:
+        return None
+    return slice(int(index[0]), int(index[-1]) + 1)
 
 
 def _whole_or(index: torch.Tensor, layout: SeqLayout) -> Selector:
@@ -221,7 +249,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:
             return None
-        rows, cols, q_meta, k_meta = trimmed
+        rows, cols, q_meta, k_meta, row_run, col_run = trimmed
         if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`) where its
             # calls cost less than the masked block (MEGATRON_HCP_SPLIT_PACKED's rule); the
             # mask stays the block's plan where the calls cannot run (a segment too large)
@@ -231,5 +259,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                                _size(rows, q_layout.local_tokens),
                                _size(cols, kv_layout.local_tokens), split_mode()):
                 return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
-                             calls=calls)
+                             calls=calls, row_run=row_run, col_run=col_run)
+        return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
+                     row_run=row_run, col_run=col_run)
     return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))

@@ -133,13 +133,12 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
         return None
     gb: list[torch.Tensor] = []
     for part in _row_parts(block, q, v, bias):  # each added into the gradients as it comes
+        rows, cols = part.row_view, part.col_view
         gq, gk, gv, *gb = block_backward(
-            take(dout, part.rows), take(q, part.rows), take(k, part.cols), take(v, part.cols),
-            take(out, part.rows), take(lse, part.rows),
-            scale=scale, causal=part.causal, mask=part.mask, bias=bias,
+            take(dout, rows), take(q, rows), take(k, cols), take(v, cols), take(out, rows),
+            take(lse, rows), scale=scale, causal=part.causal, mask=part.mask, bias=bias,
         )
-        for acc, grad, sel in ((dq, gq, part.rows), (dk, gk, part.cols),
-                               (dv, gv, part.cols)):
+        for acc, grad, sel in ((dq, gq, rows), (dk, gk, cols), (dv, gv, cols)):
             if isinstance(sel, slice):
                 acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
             else:
@@ -160,10 +159,12 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
     if parts is None:
         return [block]
     start = range(n)[block.rows].start if isinstance(block.rows, slice) else 0
+    run = block.row_run
     out = []
     for part in parts:
         sub = (slice(start + part.start, start + part.stop) if isinstance(block.rows, slice)
                else block.rows[part])
+        sub_run = None if run is None else slice(run.start + part.start, run.start + part.stop)
         if block.mask is not None:
             mask = block.mask.query_rows(part)
         elif block.causal:  # the diagonal of the chunk's rows: offset by its start
@@ -171,7 +172,7 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
                               device=q.device).tril(part.start)
         else:
             mask = None
-        out.append(Block(sub, block.cols, False, mask))
+        out.append(Block(sub, block.cols, False, mask, row_run=sub_run, col_run=block.col_run))
     return out
 
 

@@ -1,0 +1,64 @@
+"""A windowed block whose trimmed rows or columns are one run of consecutive tokens has its
+backward take its tensors as views of that run (``Block.row_run`` / ``col_run``), not as gathered
+copies: the same result bit for bit, and the bytes of the gathered q, K/V, dO and O rows no
+longer in the backward's peak."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_hcp.attention.reference.blocks import plan_block
+from megatron_hcp.attention.reference.functions import _backward_block, _forward_block, _new_acc
+from megatron_hcp.attention.reference.memory import LiveBytes
+from megatron_hcp.attention.reference.seq_layout import SeqLayout
+
+pytestmark = pytest.mark.torch_only
+
+CP, POSITION, LOCAL, HEADS, DIM = 4, 1, 512, 4, 32
+WINDOW = (128, 0)  # a quarter chunk back: chunk 1's first rows see chunk 0's last columns
+
+
+def _block(runs: bool):
+    layout = SeqLayout.dense(LOCAL, CP, POSITION)
+    block = plan_block(layout, layout.at(CP, POSITION - 1), True, WINDOW)
+    return block if runs else dataclasses.replace(block, row_run=None, col_run=None)
+
+
+def _tensors():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, HEADS, LOCAL, DIM, generator=gen) for _ in range(4))
+    return q, k, v, dout
+
+
+def _step(runs: bool):
+    """The block's forward merged into fresh accumulators, then its backward; the results and
+    the backward's peak bytes above what exists before it."""
+    block = _block(runs)
+    q, k, v, dout = _tensors()
+    out, lse = _new_acc(q, v, None)
+    _forward_block(q, k, v, block, DIM**-0.5, out, lse, first=True)
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+    with LiveBytes() as mem:
+        _backward_block(dout, q, k, v, out, lse, block, DIM**-0.5, dq, dk, dv)
+    return (out, lse, dq, dk, dv), mem.peak
+
+
+def test_a_windowed_block_of_one_run_is_planned_with_its_runs():
+    block = _block(runs=True)
+    assert block.row_run == slice(0, 128) and block.col_run == slice(128, 256)
+    assert torch.equal(block.rows, torch.arange(0, 128))  # merges keep the index
+    assert torch.equal(block.cols, torch.arange(128, 256))
+
+
+def test_runs_give_the_same_result_without_the_gathered_copies():
+    with_runs, peak_runs = _step(runs=True)
+    gathered, peak_gathered = _step(runs=False)
+    for got, want in zip(with_runs, gathered):  # bit for bit: the same kernel on the same rows
+        assert torch.equal(got, want)
+    # the gathered dO, q, O rows and K, V columns (128 tokens each, fp32) and the LSE rows
+    copies = 5 * 128 * HEADS * DIM * 4
+    assert peak_gathered - peak_runs >= copies, (peak_gathered, peak_runs, copies)
