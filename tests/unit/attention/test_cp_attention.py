@@ -28,8 +28,7 @@ from megatron_hcp.attention.reference import (
     pad_thd,
 )
 from megatron_hcp.harness.local_world import RankError
-from megatron_hcp.parallel_state.groups import bare_cp_groups, new_groups
-from megatron_hcp.parallel_state.layout import hierarchical_level_groups
+from megatron_hcp.parallel_state.groups import bare_cp_groups
 from megatron_hcp.sharding import ShardingError, layout_unit, padded_length
 
 WORLD = 4
@@ -44,23 +43,15 @@ _RANK_STATE = threading.local()
 
 
 def cp_groups(cp: int, hcp: tuple[int, int] | None):
-    """This rank's CP group (or [a2a, p2p] groups) and the index of its CP group."""
+    """This rank's CP group (or [a2a, p2p] groups) and the index of its CP group, made once per
+    (CP size, HCP sizes) on this rank (``bare_cp_groups``)."""
     key = (cp, hcp)
     if not hasattr(_RANK_STATE, "groups"):
         _RANK_STATE.groups = {}
-    _GROUPS = _RANK_STATE.groups
-    if key not in _GROUPS:
-        rank = dist.get_rank()
-        flat = [list(range(s, s + cp)) for s in range(0, dist.get_world_size(), cp)]
-        index = next(i for i, g in enumerate(flat) if rank in g)
-        if hcp is None:
-            levels = [flat]
-        else:
-            per_group = [hierarchical_level_groups(g, hcp) for g in flat]
-            levels = [[g for p in per_group for g in p[lvl]] for lvl in range(2)]
-        mine = [new_groups(level) for level in levels]
-        _GROUPS[key] = (mine if hcp else mine[0], index)
-    return _GROUPS[key]
+    if key not in _RANK_STATE.groups:
+        group, _ = bare_cp_groups(cp, hcp)
+        _RANK_STATE.groups[key] = (group, dist.get_rank() // cp)
+    return _RANK_STATE.groups[key]
 
 
 def make_inputs(fmt, heads, dtype, cp, seed, b=2, d=8, dv=None, mode="zigzag"):
