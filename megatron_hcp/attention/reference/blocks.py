@@ -28,7 +28,7 @@ from functools import lru_cache
 
 import torch
 
-from .bands import block_bands
+from .bands import Reach, block_bands, row_reach
 from .block_counter import COUNTERS
 from .gpu import VarlenCall, kernel_calls, varlen_calls
 from .masks import BlockMask, Meta, Window
@@ -51,7 +51,9 @@ class Block:
     run as a slice - the backward takes the block's tensors as views of it (no gathered copies
     of q, K/V, dO and O) and adds its gradients into it. The forward keeps the index: its
     merges are compiled per layout of the block's output (:mod:`.gpu.fused`), and a kernel's
-    output from views would multiply their variants past dynamo's recompile limit."""
+    output from views would multiply their variants past dynamo's recompile limit.
+    ``reach``: a windowed block's first and last column of each row (:func:`~.bands.row_reach`):
+    where it runs in row chunks, each chunk takes only the columns its rows reach."""
 
     rows: Selector
     cols: Selector
@@ -61,6 +63,7 @@ class Block:
     calls: tuple[VarlenCall, ...] | None = None
     row_run: slice | None = None
     col_run: slice | None = None
+    reach: Reach | None = None
 
     @property
     def row_view(self) -> Selector:
@@ -147,10 +150,12 @@ def _spans(parts, start: str, size: str) -> torch.Tensor:
 @lru_cache(maxsize=128)  # a packing needs up to cp entries a rank; it holds device memory
 def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window: Window,
                  halves: tuple[str, str]
-                 ) -> tuple[Selector, Selector, Meta, Meta, slice | None, slice | None] | None:
+                 ) -> tuple[Selector, Selector, Meta, Meta, slice | None, slice | None,
+                            Reach] | None:
     """The rows and columns of a windowed block that see anything (token indices on the
-    layouts' device; every local token: a slice), their metadata and, where an index is one
-    run of consecutive tokens, that run (:attr:`Block.row_run`), or ``None`` when the window
+    layouts' device; every local token: a slice), their metadata, where an index is one
+    run of consecutive tokens, that run (:attr:`Block.row_run`), and each row's reach
+    (:func:`~.bands.row_reach`), or ``None`` when the window
     sees none of it: from the block's bands (:func:`~.bands.block_bands`: per pair of runs,
     exactly the rows and columns that see anything) - no [rows, cols] mask on the host - once
     per packing (every layer and the backward reuse it; no device read per block)."""
@@ -160,7 +165,8 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
     row_index, col_index = _spans(parts, "row", "rows"), _spans(parts, "col", "cols")
     rows, cols = _whole_or(row_index, q_layout), _whole_or(col_index, kv_layout)
     return (rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols),
-            _run_of(row_index, rows), _run_of(col_index, cols))
+            _run_of(row_index, rows), _run_of(col_index, cols),
+            row_reach(parts, row_index, col_index))
 
 
 def _run_of(index: torch.Tensor, sel: Selector) -> slice | None:
@@ -249,7 +255,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:
             return None
-        rows, cols, q_meta, k_meta, row_run, col_run = trimmed
+        rows, cols, q_meta, k_meta, row_run, col_run, reach = trimmed
         if varlen:  # FA2's own window over each pair of runs (:mod:`.bands`) where its
             # calls cost less than the masked block (MEGATRON_HCP_SPLIT_PACKED's rule); the
             # mask stays the block's plan where the calls cannot run (a segment too large)
@@ -259,7 +265,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                                _size(rows, q_layout.local_tokens),
                                _size(cols, kv_layout.local_tokens), split_mode()):
                 return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
-                             calls=calls, row_run=row_run, col_run=col_run)
+                             calls=calls, row_run=row_run, col_run=col_run, reach=reach)
         return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
-                     row_run=row_run, col_run=col_run)
+                     row_run=row_run, col_run=col_run, reach=reach)
     return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))

@@ -172,8 +172,24 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
                               device=q.device).tril(part.start)
         else:
             mask = None
-        out.append(Block(sub, block.cols, False, mask, row_run=sub_run, col_run=block.col_run))
+        part_cols, col_run = block.cols, block.col_run
+        if block.reach is not None and bias is None:  # a window: the columns its rows reach
+            lo, hi = block.reach.cover(part)
+            if lo < hi and hi - lo < cols:
+                part_cols = _sub(block.cols, lo, hi, m)
+                col_run = None if col_run is None else slice(col_run.start + lo,
+                                                              col_run.start + hi)
+                mask = mask.key_cols(slice(lo, hi))
+        out.append(Block(sub, part_cols, False, mask, row_run=sub_run, col_run=col_run))
     return out
+
+
+def _sub(sel, lo: int, hi: int, n: int):
+    """The tokens ``lo`` to ``hi`` of a selector (a slice of ``n`` tokens, or an index)."""
+    if isinstance(sel, slice):
+        first = range(n)[sel].start
+        return slice(first + lo, first + hi)
+    return sel[lo:hi]
 
 
 def _count(sel, n: int) -> int:

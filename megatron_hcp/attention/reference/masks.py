@@ -96,6 +96,10 @@ class BlockMask:
         """The mask of the query rows ``rows`` only (the same keys)."""
         return BlockMask(tuple(t[rows] for t in self.q), self.k, self.causal, self.window)
 
+    def key_cols(self, cols: slice) -> BlockMask:
+        """The mask of the keys ``cols`` only (the same queries)."""
+        return BlockMask(self.q, tuple(t[cols] for t in self.k), self.causal, self.window)
+
     def dense(self) -> torch.Tensor:
         """The visible pairs as a boolean [rows, cols] tensor."""
         return _mask(self.q, self.k, self.causal, self.window)

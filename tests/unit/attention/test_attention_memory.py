@@ -230,13 +230,13 @@ def oracle_cases_in_row_chunks(names: tuple[str, ...]) -> list:
 
     from .test_cp_attention import all_oracle_cases, run_cases
 
-    saved = kernels.CHUNK_ELEMENTS, kernels.MASK_SHARE
-    kernels.CHUNK_ELEMENTS, kernels.MASK_SHARE = 1, 2**62
+    saved = kernels.CHUNK_ELEMENTS, kernels.MASK_ELEMENTS, kernels.MASK_SHARE
+    kernels.CHUNK_ELEMENTS, kernels.MASK_ELEMENTS, kernels.MASK_SHARE = 1, 1, 2**62
     try:
         named = all_oracle_cases()
         return [run_cases(named[name]) for name in names]
     finally:
-        kernels.CHUNK_ELEMENTS, kernels.MASK_SHARE = saved
+        kernels.CHUNK_ELEMENTS, kernels.MASK_ELEMENTS, kernels.MASK_SHARE = saved
 
 
 def test_blocks_in_row_chunks_are_exact(world):

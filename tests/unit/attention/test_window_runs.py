@@ -62,3 +62,64 @@ def test_runs_give_the_same_result_without_the_gathered_copies():
     # the gathered dO, q, O rows and K, V columns (128 tokens each, fp32) and the LSE rows
     copies = 5 * 128 * HEADS * DIM * 4
     assert peak_gathered - peak_runs >= copies, (peak_gathered, peak_runs, copies)
+
+
+# ------------------------------------------------------------ row chunks take their reach
+REACH_LAYOUTS = {  # (q layout, the key positions it meets) - dense, the a2a's whole sequence,
+    # packed and padded sequences with their halves grouped
+    "dense": (SeqLayout.dense(LOCAL, CP, POSITION), (0, 1, 2)),
+    "whole": (SeqLayout.dense(2048, 1, 0), (0,)),
+    "packed": (SeqLayout((256, 192, 64), (250, 192, 60), CP, POSITION).with_grouped_halves(),
+               (0, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("window,causal", [((64, 0), True), ((32, 16), False), ((100, -1), False)])
+@pytest.mark.parametrize("name", sorted(REACH_LAYOUTS))
+def test_each_rows_reach_is_its_first_and_last_visible_column(name, window, causal):
+    layout, sources = REACH_LAYOUTS[name]
+    planned = 0
+    for src in sources:
+        block = plan_block(layout, layout.at(layout.cp, src), causal, window)
+        if block is None:
+            continue
+        planned += 1
+        visible = block.mask.dense()
+        cols = torch.arange(visible.shape[1])
+        first = torch.where(visible, cols, visible.shape[1]).amin(1)
+        last = torch.where(visible, cols, -1).amax(1) + 1
+        assert visible.any(1).all()  # trimmed: every row sees a column
+        assert torch.equal(block.reach.lo, first) and torch.equal(block.reach.hi, last)
+    assert planned
+
+
+def _chunked_step(reach: bool, monkeypatch):
+    """A2a's one windowed block (the whole sequence, 2048 tokens, a window of 256) run in row
+    chunks of 64 rows, with or without each chunk trimmed to its reach: results and the
+    backward's peak above what exists before it."""
+    from megatron_hcp.attention.reference import kernels
+
+    monkeypatch.setattr(kernels, "MASK_ELEMENTS", 64 * 2048)
+    monkeypatch.setattr(kernels, "MASK_SHARE", 2**62)
+    layout = SeqLayout.dense(2048, 1, 0)
+    block = plan_block(layout, layout, True, (256, 0))
+    block = block if reach else dataclasses.replace(block, reach=None)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, HEADS, 2048, DIM, generator=gen) for _ in range(4))
+    out, lse = _new_acc(q, v, None)
+    _forward_block(q, k, v, block, DIM**-0.5, out, lse, first=True)
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+    with LiveBytes() as mem:
+        _backward_block(dout, q, k, v, out, lse, block, DIM**-0.5, dq, dk, dv)
+    return (out, lse, dq, dk, dv), mem.peak
+
+
+def test_row_chunks_take_only_the_columns_they_reach(monkeypatch):
+    trimmed, peak_trimmed = _chunked_step(True, monkeypatch)
+    whole, peak_whole = _chunked_step(False, monkeypatch)
+    for got, want in zip(trimmed, whole):  # the same pairs; sums in another grouping
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # a chunk's K and V gradients: 64 + 256 columns instead of 2048 (fp32)
+    saved = 2 * (2048 - 320) * HEADS * DIM * 4
+    assert peak_whole - peak_trimmed >= saved, (peak_whole, peak_trimmed, saved)
