@@ -169,6 +169,27 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
             row_reach(parts, row_index, col_index))
 
 
+def _host_index(layout: SeqLayout, which: str) -> torch.Tensor:
+    """The local tokens of a half of ``layout`` as an index on the host."""
+    sel = layout.on_host().half(which)
+    if isinstance(sel, slice):
+        span = range(layout.local_tokens)[sel]
+        return torch.arange(span.start, span.stop, span.step)
+    return sel
+
+
+@lru_cache(maxsize=128)
+def _pieces_reach(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str,
+                  which_cols: str, causal: bool) -> Reach | None:
+    """Each row's reach (:func:`~.bands.row_reach`) in a masked packed block, from its dense
+    pieces (:func:`~.pieces.block_pieces`), once per packing; ``None`` where it has none."""
+    pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
+    if pieces is None:
+        return None
+    return row_reach(pieces, _host_index(q_layout, which_rows),
+                     _host_index(kv_layout, which_cols))
+
+
 def _run_of(index: torch.Tensor, sel: Selector) -> slice | None:
     """``index`` (ascending, on the host) as a slice where it is one run of consecutive
     tokens and ``sel`` is not a slice already."""
@@ -251,6 +272,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                     return Block(rows, cols, False, None, pieces, calls)
         q_meta = _half_meta(q_layout, which_rows, "q")
         k_meta = _half_meta(kv_layout, which_cols, "k")
+        reach = _pieces_reach(q_layout, kv_layout, which_rows, which_cols, causal)
     else:
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:
@@ -268,4 +290,4 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                              calls=calls, row_run=row_run, col_run=col_run, reach=reach)
         return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window),
                      row_run=row_run, col_run=col_run, reach=reach)
-    return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window))
+    return Block(rows, cols, False, BlockMask(q_meta, k_meta, causal, window), reach=reach)

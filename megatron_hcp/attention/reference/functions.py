@@ -165,21 +165,25 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
         sub = (slice(start + part.start, start + part.stop) if isinstance(block.rows, slice)
                else block.rows[part])
         sub_run = None if run is None else slice(run.start + part.start, run.start + part.stop)
+        part_cols, col_run = block.cols, block.col_run
         if block.mask is not None:
             mask = block.mask.query_rows(part)
-        elif block.causal:  # the diagonal of the chunk's rows: offset by its start
-            mask = torch.ones(part.stop - part.start, cols, dtype=torch.bool,
+            if block.reach is not None and bias is None:  # the columns its rows reach
+                lo, hi = block.reach.cover(part)
+                if lo < hi and hi - lo < cols:
+                    part_cols = _sub(block.cols, lo, hi, m)
+                    col_run = None if col_run is None else slice(col_run.start + lo,
+                                                                  col_run.start + hi)
+                    mask = mask.key_cols(slice(lo, hi))
+        elif block.causal:  # the diagonal of the chunk's rows (offset by its start): the
+            # columns up to its last row's
+            reach = cols if bias is not None else part.stop
+            part_cols = _sub(block.cols, 0, reach, m)
+            col_run = None if col_run is None else slice(col_run.start, col_run.start + reach)
+            mask = torch.ones(part.stop - part.start, reach, dtype=torch.bool,
                               device=q.device).tril(part.start)
         else:
             mask = None
-        part_cols, col_run = block.cols, block.col_run
-        if block.reach is not None and bias is None:  # a window: the columns its rows reach
-            lo, hi = block.reach.cover(part)
-            if lo < hi and hi - lo < cols:
-                part_cols = _sub(block.cols, lo, hi, m)
-                col_run = None if col_run is None else slice(col_run.start + lo,
-                                                              col_run.start + hi)
-                mask = mask.key_cols(slice(lo, hi))
         out.append(Block(sub, part_cols, False, mask, row_run=sub_run, col_run=col_run))
     return out
 

@@ -13,6 +13,7 @@ import torch
 from megatron_hcp.attention.reference.blocks import plan_block
 from megatron_hcp.attention.reference.functions import _backward_block, _forward_block, _new_acc
 from megatron_hcp.attention.reference.memory import LiveBytes
+from megatron_hcp.attention.reference.pieces import splitting
 from megatron_hcp.attention.reference.seq_layout import SeqLayout
 
 pytestmark = pytest.mark.torch_only
@@ -123,3 +124,24 @@ def test_row_chunks_take_only_the_columns_they_reach(monkeypatch):
     # a chunk's K and V gradients: 64 + 256 columns instead of 2048 (fp32)
     saved = 2 * (2048 - 320) * HEADS * DIM * 4
     assert peak_whole - peak_trimmed >= saved, (peak_whole, peak_trimmed, saved)
+
+
+@pytest.mark.parametrize("name", ["dense", "packed"])
+def test_a_packed_blocks_rows_reach_their_mask(name):
+    """Without a window, a masked packed block's reach comes from its dense pieces: each row's
+    first and last visible column, as its mask has them."""
+    layout, sources = REACH_LAYOUTS[name]
+    for src in sources:
+        with splitting("off"):  # the masked block, not its pieces
+            block = plan_block(layout, layout.at(layout.cp, src), True)
+        if name == "dense":  # one unpadded sequence: slices and the causal flag, no mask
+            assert block.mask is None and block.reach is None
+            continue
+        visible = block.mask.dense()
+        cols = torch.arange(visible.shape[1])
+        seen = visible.any(1)  # padding rows see nothing: no reach of their own
+        first = torch.where(visible, cols, visible.shape[1]).amin(1)
+        last = torch.where(visible, cols, -1).amax(1) + 1
+        assert torch.equal(block.reach.lo[seen], first[seen])
+        assert torch.equal(block.reach.hi[seen], last[seen])
+        assert (block.reach.lo[~seen] >= block.reach.hi[~seen]).all()
