@@ -41,7 +41,7 @@ from .functions import AllGatherAttention, RingAttention
 from .gpu import fused_mode, varlen_mode
 from .packing import packing_lengths
 from .pieces import split_mode
-from .reorder import OutputOrder, TokenOrder, UlyssesAllToAll, pack_kv
+from .reorder import OutputOrder, TokenOrder, UlyssesAllToAll, pack_kv, run_starts
 from .seq_layout import (
     CPAttentionError,
     SeqLayout,
@@ -286,11 +286,15 @@ def _a2a_permutations(layout: SeqLayout, a: int, grouped: bool = False
 
 
 @functools.lru_cache(maxsize=16)
-def _grouping(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~.seq_layout.half_grouping` of ``layout`` and its inverse, on its device, once
-    per packing."""
-    perm = half_grouping(layout.padded, layout.cp).to(layout.device)
-    return perm, torch.argsort(perm)
+def _grouping(layout: SeqLayout) -> OutputOrder:
+    """How the output of :func:`~.seq_layout.half_grouping` order leaves (its inverse) and
+    comes back (the grouping, also on the host with its runs: the backward's
+    :class:`~.reorder.RowsInOrder` takes views of them), on the layout's device, once per
+    packing."""
+    host = half_grouping(layout.padded, layout.cp)
+    perm = host.to(layout.device)
+    return OutputOrder("tokens", torch.argsort(perm), perm, inv_host=tuple(host.tolist()),
+                       inv_runs=run_starts(host))
 
 
 def _check_bias(bias, cp_comm_type: str, qkv_format: str, qh: torch.Tensor, n: int) -> None:
@@ -414,10 +418,10 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index
             sink = sink.view(a, -1)[dist.get_rank(a2a_group)]
     elif reorder:
-        forth, back = _grouping(layout)
+        order = _grouping(layout)
+        forth, back = order.inv, order.perm
         qh = TokenOrder.apply(qh, forth, back, True)
         kvh = TokenOrder.apply(kvh, forth, back, False)
-        order = OutputOrder("tokens", back, forth)
     if grouped:
         layout = layout.with_grouped_halves()
     if cp_comm_type == "all_gather":

@@ -36,7 +36,7 @@ from .kernels import block_backward, block_forward, row_chunks
 from .masks import Window
 from .merge import merge_into
 from .pieces import split_mode, splitting
-from .reorder import OutputOrder, split_kv
+from .reorder import OutputOrder, RowsInOrder, split_kv
 from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "ring_reach"]
@@ -135,7 +135,7 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
     for part in _row_parts(block, q, v, bias):  # each added into the gradients as it comes
         rows, cols = part.row_view, part.col_view
         gq, gk, gv, *gb = block_backward(
-            take(dout, rows), take(q, rows), take(k, cols), take(v, cols), take(out, rows),
+            _rows(dout, rows), take(q, rows), take(k, cols), take(v, cols), _rows(out, rows),
             take(lse, rows), scale=scale, causal=part.causal, mask=part.mask, bias=bias,
         )
         for acc, grad, sel in ((dq, gq, rows), (dk, gk, cols), (dv, gv, cols)):
@@ -145,6 +145,19 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
                 acc.index_add_(2, sel, grad.to(acc.dtype))
         del gq, gk, gv
     return gb[0] if gb else None
+
+
+def _rows(x: torch.Tensor | RowsInOrder, sel) -> torch.Tensor:
+    """The rows ``sel`` of the output or its gradient, as the backward holds them."""
+    return x.take(sel) if isinstance(x, RowsInOrder) else take(x, sel)
+
+
+def _back(ctx, x: torch.Tensor) -> torch.Tensor | RowsInOrder:
+    """The returned output or its gradient in the attention's layout (``ctx.order.back``); in
+    token order read in place (:class:`~.reorder.RowsInOrder`: each block gathers the rows it
+    reads, no regrouped copy of the whole) unless varlen calls read them (they take spans of
+    the regrouped tensors)."""
+    return ctx.order.back(x, whole=ctx.varlen is not None)
 
 
 def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Block]:
@@ -235,7 +248,10 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
                ) -> torch.Tensor:
     """d loss / d sink of this rank's rows: the sink's probability times ``-rowsum(dO * O)``,
     summed over batch and rows (its value is 0, so it only takes share from the others)."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    if isinstance(dout, RowsInOrder):
+        delta = dout.row_sums(out).to(lse.dtype)
+    else:
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     prob = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
     return -(prob * delta).sum((0, 2)).to(sink.dtype)
 
@@ -351,7 +367,7 @@ def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
     k, v = split_kv(kv, dim)
     if _row_parts(block, q, v, None)[0] is not block:  # it runs in row chunks
         return None
-    grads = block_backward(take(dout, whole), take(q, whole), k, v, take(out, whole),
+    grads = block_backward(_rows(dout, whole), take(q, whole), k, v, _rows(out, whole),
                            take(lse, whole), scale=scale, causal=block.causal,
                            mask=block.mask)
     return tuple(grads[:3])
@@ -400,7 +416,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, kv, out, lse, sink, bias = ctx.saved_tensors
         dim, layout, group, ranks, causal, scale, window = ctx.meta
-        dout, out = ctx.order.back(dout), ctx.order.back(out)
+        dout, out = _back(ctx, dout), _back(ctx, out)
         p, pos = len(ranks), layout.position
         if p == 1 and bias is None:  # one block (a2a, local attention): where it is whole,
             # its gradients are the gradients - no accumulators beside them
@@ -509,7 +525,7 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, kv, out, lse, sink = ctx.saved_tensors
         dim, layout, group, causal, scale, window = ctx.meta
-        dout, out = ctx.order.back(dout), ctx.order.back(out)
+        dout, out = _back(ctx, dout), _back(ctx, out)
         full, work = _gather(kv, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -11,7 +11,8 @@ input and the all-to-all's, saved once for the backward.
 * :class:`OutputOrder` - how the attention's output leaves it (none, token order, or the a2a
   back) and how its backward gets the output and its gradient back: the attention functions
   keep only the output they return (which the model holds anyway) and convert it back in
-  backward, as Transformer Engine's a2a attention does, instead of keeping it twice.
+  backward, as Transformer Engine's a2a attention does, instead of keeping it twice; in token
+  order as :class:`RowsInOrder`, which gathers only the rows a block reads.
 
 ``heads_inner``: a result laid out [B, S, H, D] in memory (heads inside the rows, as megatron's
 bshd / thd tensors and the efficient kernel's backward read an output), else contiguous
@@ -20,15 +21,15 @@ bshd / thd tensors and the efficient kernel's backward read an output), else con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["OutputOrder", "TokenOrder", "UlyssesAllToAll", "heads_to_seq", "pack_kv",
-           "seq_to_heads", "split_kv"]
+__all__ = ["OutputOrder", "RowsInOrder", "TokenOrder", "UlyssesAllToAll", "heads_to_seq",
+           "pack_kv", "run_starts", "seq_to_heads", "split_kv"]
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,66 @@ class TokenOrder(torch.autograd.Function):
         return tokens_in_order(grad, ctx.inv), None, None, None
 
 
+def run_starts(index: torch.Tensor) -> tuple[int, ...]:
+    """For each entry of a host ``index``, where the run of consecutive ascending values it
+    belongs to starts (entries ``i`` and ``j`` are in one run iff their starts are equal)."""
+    n = int(index.numel())
+    if n == 0:
+        return ()
+    breaks = torch.ones(n, dtype=torch.bool)
+    breaks[1:] = index[1:] != index[:-1] + 1
+    starts = torch.arange(n)
+    starts[~breaks] = 0
+    return tuple(torch.cummax(starts, 0).values.tolist())
+
+
+@dataclass(frozen=True, eq=False)
+class RowsInOrder:
+    """``x`` [B, H, S, D] seen with its tokens in the order ``perm`` (row ``i`` is ``x``'s row
+    ``perm[i]``) without moving it whole: :meth:`take` returns the rows a block reads - a view
+    where they are one run of ``x``'s rows (``host``: ``perm`` on the host, ``runs``: its
+    :func:`run_starts`), a gather of just those rows for a part of up to half of them (a row
+    chunk, a piece), else a view of the whole reordered once (one gather, kept for the rest of
+    the backward: a block of most rows reads them whole anyway). A block in pieces or row
+    chunks then holds its own rows, not a second copy of the whole tensor."""
+
+    x: torch.Tensor
+    perm: torch.Tensor
+    host: tuple[int, ...] = ()
+    runs: tuple[int, ...] = ()
+    _whole: list = field(default_factory=list)
+
+    def take(self, sel: slice | torch.Tensor) -> torch.Tensor:
+        """The rows ``sel`` of the reordered tensor."""
+        n = int(self.perm.numel())
+        if self._whole:
+            return _take(self._whole[0], sel)
+        if isinstance(sel, slice):
+            span = range(n)[sel]
+            a, b = span.start, span.stop
+            if self.runs and span.step == 1 and b > a and self.runs[a] == self.runs[b - 1]:
+                return self.x[:, :, self.host[a]:self.host[a] + b - a]
+            count = len(span)
+        else:
+            count = int(sel.numel())
+        if 2 * count > n:
+            self._whole.append(tokens_in_order(self.x, self.perm))
+            return _take(self._whole[0], sel)
+        index = self.perm[sel] if isinstance(sel, slice) else self.perm.index_select(0, sel)
+        return tokens_in_order(self.x, index)
+
+    def row_sums(self, other: RowsInOrder) -> torch.Tensor:
+        """``rowsum(self * other)`` [B, H, S] in the reordered token order (fp32 or wider)."""
+        acc = torch.promote_types(self.x.dtype, torch.float32)
+        sums = (self.x.to(acc) * other.x.to(acc)).sum(-1)
+        return sums.index_select(2, self.perm)
+
+
+def _take(x: torch.Tensor, sel: slice | torch.Tensor) -> torch.Tensor:
+    """The tokens ``sel`` (dim 2) of ``x``: a view for a slice, else a gather."""
+    return x[:, :, sel] if isinstance(sel, slice) else x.index_select(2, sel)
+
+
 @dataclass(frozen=True, eq=False)
 class OutputOrder:
     """How an attention function's output [B, H, S, Dv] leaves it (:meth:`leave`) and how its
@@ -128,6 +189,8 @@ class OutputOrder:
     perm: torch.Tensor | None = None
     inv: torch.Tensor | None = None
     group: object = None
+    inv_host: tuple[int, ...] = ()  # "tokens": ``inv`` on the host and its runs
+    inv_runs: tuple[int, ...] = ()  # (:func:`run_starts`), for RowsInOrder's views
 
     @property
     def moves(self) -> bool:
@@ -141,9 +204,11 @@ class OutputOrder:
             return tokens_in_order(out, self.perm)
         return out
 
-    def back(self, x: torch.Tensor) -> torch.Tensor:
+    def back(self, x: torch.Tensor, whole: bool = True) -> torch.Tensor | RowsInOrder:
         """The returned output (or its gradient) in the attention's layout, heads inside the
-        rows."""
+        rows; in token order, where not ``whole``, as a :class:`RowsInOrder` (no copy)."""
+        if self.kind == "tokens" and not whole:
+            return RowsInOrder(x, self.inv, self.inv_host, self.inv_runs)
         if self.kind == "a2a":
             return seq_to_heads(x, self.group, self.perm)
         if self.kind == "tokens":
