@@ -23,7 +23,8 @@ the size of that reach).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -95,16 +96,22 @@ def block_bands(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, whic
 
 @dataclass(frozen=True, eq=False)
 class Reach:
-    """Per row of a trimmed windowed block (host tensors, in the block's own row and column
-    order): ``lo`` the first column the row sees, ``hi`` one past the last (columns between
-    may be unseen: other sequences, padding). Compared by identity: one per planned block."""
+    """Per row of a trimmed windowed or masked block (on the host, in the block's own row and
+    column order): ``lo`` the first column the row sees, ``hi`` one past the last (columns
+    between may be unseen: other sequences, padding); a row that sees none has ``lo >= hi``.
+    Compared by identity: one per planned block."""
 
-    lo: torch.Tensor
-    hi: torch.Tensor
+    lo: array
+    hi: array
+    _covers: dict = field(default_factory=dict, repr=False)
 
     def cover(self, rows: slice) -> tuple[int, int]:
-        """The columns ``[lo, hi)`` the rows ``rows`` reach together."""
-        return int(self.lo[rows].min()), int(self.hi[rows].max())
+        """The columns ``[lo, hi)`` the rows ``rows`` reach together: host work only, once
+        per chunk of rows (every layer and the backward reuse it)."""
+        key = (rows.start, rows.stop)
+        if key not in self._covers:
+            self._covers[key] = (min(self.lo[rows]), max(self.hi[rows]))
+        return self._covers[key]
 
 
 def row_reach(parts: tuple[Band | Piece, ...], row_index: torch.Tensor,
@@ -131,4 +138,4 @@ def row_reach(parts: tuple[Band | Piece, ...], row_index: torch.Tensor,
         last = torch.searchsorted(col_index, last + part.col) + 1
         lo.scatter_reduce_(0, rows, first, "amin")
         hi.scatter_reduce_(0, rows, last, "amax")
-    return Reach(lo, hi)
+    return Reach(array("q", lo.tolist()), array("q", hi.tolist()))

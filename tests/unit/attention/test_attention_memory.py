@@ -39,7 +39,11 @@ CP_FUNCTIONS = ("RingAttentionBackward", "AllGatherAttentionBackward")
 # a 2-core x86_64 CPU VM)
 KEPT = 1.02
 PEAK = {"p2p": 2.0, "a2a+p2p": 2.0, "a2a": 1.5, "all_gather": 1.1}
-THD_OVER_BSHD = 1.30  # measured up to 1.26 (a2a, CP4, S 1024); the target, 1.10, is not met
+# at S 1024 (blocks too small for row chunks: the backward reads a masked block's rows of
+# the output and its gradient as one gathered copy each) measured up to 1.17 (p2p, CP4); at
+# S 4096 (row chunks) within the target, 1.10 (test_thd_within_a_tenth_of_bshd_in_row_chunks)
+THD_OVER_BSHD = 1.20
+THD_TARGET = 1.10
 
 
 def _case(comm: str, fmt: str, cp: int = 4, seq: int = 1024, **fields) -> MemoryCase:
@@ -181,9 +185,7 @@ def test_kept_and_peak_within_the_targets(world):
     """A small CP4 and CP2 step of every comm type and format, against one flash call on the
     rank's tokens: kept <= 1.02x the floor; bshd's peak within PEAK (all_gather: of the flash
     call's peak plus the gathered K/V and their gradients); thd's within THD_OVER_BSHD of
-    bshd's - not the 10 % targeted (benchmarks/RESULTS.md: its backward moves the output and
-    its gradient into the attention's token order, and a2a's masked whole-sequence block runs
-    in row chunks, each with the dK/dV of all its columns)."""
+    bshd's."""
     cases = tuple(_case(comm, fmt) for comm in COMMS for fmt in ("bshd", "thd")) + tuple(
         _case(comm, "bshd", cp=2) for comm in ("p2p", "a2a", "all_gather"))
     per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
@@ -204,6 +206,19 @@ def test_kept_and_peak_within_the_targets(world):
         for comm in COMMS:
             assert peaks[comm, "thd", 4] <= THD_OVER_BSHD * peaks[comm, "bshd", 4], (
                 rank, comm, peaks)
+
+
+def test_thd_within_a_tenth_of_bshd_in_row_chunks(world):
+    """Where masked blocks run in row chunks (S 4096, CP 4: 1024 tokens a rank), thd's peak is
+    within 10 % of bshd's on the ring and the all-gather: the backward reads each chunk's rows
+    of the output and its gradient in the model's order (no regrouped copy of the whole), and
+    each chunk only the columns its rows reach."""
+    cases = tuple(_case(comm, fmt, seq=4096) for comm in ("p2p", "all_gather")
+                  for fmt in ("bshd", "thd"))
+    for rank, results in enumerate(world.run(rank_memory, cases, cp_groups=bare_cp_groups)):
+        peak = {(case.comm, case.fmt): cp.peak for case, (cp, _) in zip(cases, results)}
+        for comm in ("p2p", "all_gather"):
+            assert peak[comm, "thd"] <= THD_TARGET * peak[comm, "bshd"], (rank, comm, peak)
 
 
 def test_release_frees_a_buffer_whoever_holds_it():
