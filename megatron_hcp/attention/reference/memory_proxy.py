@@ -10,11 +10,14 @@ set) and recomputes the rest in its backward. A warm-up step runs first, so what
 builds once per packing (layout metadata, a2a permutations, a window's trimming) is not in the
 counts. ``benchmarks/attention_memory.py`` prints the ratios and
 ``tests/unit/attention/test_attention_memory.py`` holds them to the targets.
+:func:`rank_times` times the same steps against the same call (``benchmarks/attention_time.py``):
+what a change to the memory costs or saves in time.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +30,7 @@ from .kernels import block_backward, block_forward, choose_kernel
 from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 
-__all__ = ["MemoryCase", "LocalFlash", "floor_bytes", "local_flash", "rank_memory"]
+__all__ = ["MemoryCase", "LocalFlash", "floor_bytes", "local_flash", "rank_memory", "rank_times"]
 
 
 @dataclass(frozen=True)
@@ -203,3 +206,36 @@ def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups
         flash = measure_step(flash_step, leaves, dout)
         out.append((cp, flash))
     return out
+
+
+def rank_times(cases: tuple[MemoryCase, ...], repeats: int = 3, *, cp_groups: CPGroups
+               ) -> list[tuple[float, float]]:
+    """On every rank: (CP step, :class:`LocalFlash` step) seconds of each case, forward and
+    backward, the best of ``repeats`` after a warm-up step; a CP step is timed from a barrier
+    to a barrier of the world (its slowest rank: run it on a world of the cases' CP size)."""
+    cache: dict = {}
+    out = []
+    for case in cases:
+        group, position = case_groups(case, cp_groups, cache)
+        (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
+                      window_size=case.window, **meta)
+        out.append((_best(repeats, True, context_parallel_attention, leaves, dout, kwargs),
+                    _best(repeats, False, local_flash, leaves, dout, {})))
+    return out
+
+
+def _best(repeats: int, fenced: bool, step, leaves, dout, kwargs) -> float:
+    """Seconds of ``step(*leaves, **kwargs)`` and its backward, best of ``repeats`` after a
+    warm-up (``fenced``: from a barrier to a barrier of the world, else this rank alone)."""
+    times = []
+    for _ in range(repeats + 1):
+        if fenced:
+            dist.barrier()
+        start = time.perf_counter()
+        step(*leaves, **kwargs).backward(dout)
+        if fenced:
+            dist.barrier()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
