@@ -14,26 +14,17 @@ non-negative (the last row sees a key, and the last column is seen). Pieces of o
 ``(wl, wr)`` whose rows and columns increase are one varlen call (:mod:`.gpu.varlen`). No CPU
 kernel takes a window: only the varlen calls (CUDA) use bands; the masked block stays the
 plan everywhere else.
-
-:func:`row_reach` gives each row of a trimmed windowed block the first and last column it sees:
-a block run in row chunks (:func:`~.kernels.row_chunks`) computes each chunk against the
-columns its rows reach, not all of the block's (its K/V gradients, its mask and its scores are
-the size of that reach).
 """
 
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
-
-import torch
 
 from .pieces import Piece, Run, seq_runs
 from .seq_layout import SeqLayout
 
-__all__ = ["Band", "Reach", "band_of", "block_bands", "row_reach"]
+__all__ = ["Band", "band_of", "block_bands"]
 
 _INF = float("inf")
 
@@ -92,50 +83,3 @@ def block_bands(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str, whic
                 if q.real and k.real and (part := band_of(q, k, causal, window)) is not None:
                     parts.append(part)
     return tuple(parts)
-
-
-@dataclass(frozen=True, eq=False)
-class Reach:
-    """Per row of a trimmed windowed or masked block (on the host, in the block's own row and
-    column order): ``lo`` the first column the row sees, ``hi`` one past the last (columns
-    between may be unseen: other sequences, padding); a row that sees none has ``lo >= hi``.
-    Compared by identity: one per planned block."""
-
-    lo: array
-    hi: array
-    _covers: dict = field(default_factory=dict, repr=False)
-
-    def cover(self, rows: slice) -> tuple[int, int]:
-        """The columns ``[lo, hi)`` the rows ``rows`` reach together: host work only, once
-        per chunk of rows (every layer and the backward reuse it)."""
-        key = (rows.start, rows.stop)
-        if key not in self._covers:
-            self._covers[key] = (min(self.lo[rows]), max(self.hi[rows]))
-        return self._covers[key]
-
-
-def row_reach(parts: tuple[Band | Piece, ...], row_index: torch.Tensor,
-              col_index: torch.Tensor) -> Reach:
-    """The :class:`Reach` of the block whose bands are ``parts`` (:func:`block_bands`), its
-    rows and columns the ascending local tokens ``row_index`` / ``col_index`` (host)."""
-    n = int(row_index.numel())
-    lo = torch.full((n,), int(col_index.numel()), dtype=torch.long)
-    hi = torch.zeros(n, dtype=torch.long)
-    for part in parts:
-        i = torch.arange(part.rows)  # the part's rows, from its first
-        if isinstance(part, Band):
-            wl, wr = part.window  # FA2's: row i sees j - i in [offset - wl, offset + wr]
-            offset = part.cols - part.rows
-            first = (i + offset - wl).clamp(min=0) if wl >= 0 else torch.zeros_like(i)
-            last = ((i + offset + wr).clamp(max=part.cols - 1) if wr >= 0
-                    else torch.full_like(i, part.cols - 1))
-        elif part.causal:  # a chunk's causal square
-            first, last = torch.zeros_like(i), i
-        else:
-            first, last = torch.zeros_like(i), torch.full_like(i, part.cols - 1)
-        rows = torch.searchsorted(row_index, torch.arange(part.row, part.row + part.rows))
-        first = torch.searchsorted(col_index, first + part.col)
-        last = torch.searchsorted(col_index, last + part.col) + 1
-        lo.scatter_reduce_(0, rows, first, "amin")
-        hi.scatter_reduce_(0, rows, last, "amax")
-    return Reach(array("q", lo.tolist()), array("q", hi.tolist()))

@@ -28,10 +28,10 @@ from functools import lru_cache
 
 import torch
 
-from .bands import Reach, block_bands, row_reach
+from .bands import block_bands
 from .block_counter import COUNTERS
 from .gpu import VarlenCall, kernel_calls, varlen_calls
-from .masks import BlockMask, Meta, Window
+from .masks import BlockMask, Meta, Reach, Window
 from .pieces import block_pieces, split_mode, worth_splitting
 from .seq_layout import SeqLayout
 
@@ -52,7 +52,7 @@ class Block:
     of q, K/V, dO and O) and adds its gradients into it. The forward keeps the index: its
     merges are compiled per layout of the block's output (:mod:`.gpu.fused`), and a kernel's
     output from views would multiply their variants past dynamo's recompile limit.
-    ``reach``: a windowed block's first and last column of each row (:func:`~.bands.row_reach`):
+    ``reach``: a masked block's first and last column of each row (:class:`~.masks.Reach`):
     where it runs in row chunks, each chunk takes only the columns its rows reach."""
 
     rows: Selector
@@ -155,7 +155,7 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
     """The rows and columns of a windowed block that see anything (token indices on the
     layouts' device; every local token: a slice), their metadata, where an index is one
     run of consecutive tokens, that run (:attr:`Block.row_run`), and each row's reach
-    (:func:`~.bands.row_reach`), or ``None`` when the window
+    (:class:`~.masks.Reach`), or ``None`` when the window
     sees none of it: from the block's bands (:func:`~.bands.block_bands`: per pair of runs,
     exactly the rows and columns that see anything) - no [rows, cols] mask on the host - once
     per packing (every layer and the backward reuse it; no device read per block)."""
@@ -166,7 +166,14 @@ def _window_trim(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool, window
     rows, cols = _whole_or(row_index, q_layout), _whole_or(col_index, kv_layout)
     return (rows, cols, _meta(q_layout, rows), _meta(kv_layout, cols),
             _run_of(row_index, rows), _run_of(col_index, cols),
-            row_reach(parts, row_index, col_index))
+            _reach(q_layout, kv_layout, row_index, col_index, causal, window))
+
+
+def _reach(q_layout: SeqLayout, kv_layout: SeqLayout, rows: torch.Tensor, cols: torch.Tensor,
+           causal: bool, window: Window) -> Reach:
+    """The :class:`~.masks.Reach` of the block of the host tokens ``rows`` x ``cols``."""
+    return Reach(_meta(q_layout.on_host(), rows), _meta(kv_layout.on_host(), cols), causal,
+                 window)
 
 
 def _host_index(layout: SeqLayout, which: str) -> torch.Tensor:
@@ -179,15 +186,12 @@ def _host_index(layout: SeqLayout, which: str) -> torch.Tensor:
 
 
 @lru_cache(maxsize=128)
-def _pieces_reach(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str,
-                  which_cols: str, causal: bool) -> Reach | None:
-    """Each row's reach (:func:`~.bands.row_reach`) in a masked packed block, from its dense
-    pieces (:func:`~.pieces.block_pieces`), once per packing; ``None`` where it has none."""
-    pieces = block_pieces(q_layout, kv_layout, which_rows, which_cols, causal)
-    if pieces is None:
-        return None
-    return row_reach(pieces, _host_index(q_layout, which_rows),
-                     _host_index(kv_layout, which_cols))
+def _packed_reach(q_layout: SeqLayout, kv_layout: SeqLayout, which_rows: str,
+                  which_cols: str, causal: bool) -> Reach:
+    """Each row's reach (:class:`~.masks.Reach`) in a masked packed block, planned once per
+    packing."""
+    return _reach(q_layout, kv_layout, _host_index(q_layout, which_rows),
+                  _host_index(kv_layout, which_cols), causal, None)
 
 
 def _run_of(index: torch.Tensor, sel: Selector) -> slice | None:
@@ -272,7 +276,7 @@ def plan_block(q_layout: SeqLayout, kv_layout: SeqLayout, causal: bool,
                     return Block(rows, cols, False, None, pieces, calls)
         q_meta = _half_meta(q_layout, which_rows, "q")
         k_meta = _half_meta(kv_layout, which_cols, "k")
-        reach = _pieces_reach(q_layout, kv_layout, which_rows, which_cols, causal)
+        reach = _packed_reach(q_layout, kv_layout, which_rows, which_cols, causal)
     else:
         trimmed = _window_trim(q_layout, kv_layout, causal, window, (which_rows, which_cols))
         if trimmed is None:

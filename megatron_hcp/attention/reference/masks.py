@@ -1,10 +1,13 @@
 """A masked block's visible pairs: same sequence, both tokens real, causal order and a
 sliding window's band - held as the tokens' metadata (:class:`BlockMask`) and built as a
-[rows, cols] tensor only where a kernel takes one (booleans, or an additive mask)."""
+[rows, cols] tensor only where a kernel takes one (booleans, or an additive mask); and each
+row's first and last visible column (:class:`Reach`), so that a block run in row chunks
+gives each chunk only the columns its rows reach."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,7 +15,7 @@ from .block_counter import record_mask
 from .gpu import fuses, run_fused
 from .launches import fused_region
 
-__all__ = ["BlockMask", "Meta", "Window", "additive_of"]
+__all__ = ["BlockMask", "Meta", "Reach", "Window", "additive_of"]
 
 Window = tuple[int, int] | None
 Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sequence id, position, real token
@@ -125,3 +128,74 @@ class BlockMask:
             result = additive_of(self.dense(), dtype, width, seen=seen)
         record_mask("eager")
         return result
+
+
+@dataclass(frozen=True, eq=False)
+class Reach:
+    """Per row of a masked block, the first column the row sees and one past the last
+    (columns between may be unseen: other sequences, padding; a row that sees none has
+    ``lo >= hi``), in the block's own row and column order, on the host: the mask of the
+    metadata ``q`` x ``k`` (on the host), computed when a chunk first asks for its cover (a
+    block that never runs in row chunks never pays for it). Compared by identity: one per
+    planned block."""
+
+    q: Meta
+    k: Meta
+    causal: bool
+    window: Window
+    _bounds: list = field(default_factory=list, repr=False)
+    _covers: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def lo(self) -> array:
+        return self._rows()[0]
+
+    @property
+    def hi(self) -> array:
+        return self._rows()[1]
+
+    def _rows(self) -> tuple[array, array]:
+        if not self._bounds:
+            self._bounds.append(_row_bounds(self.q, self.k, self.causal, self.window))
+        return self._bounds[0]
+
+    def cover(self, rows: slice) -> tuple[int, int]:
+        """The columns ``[lo, hi)`` the rows ``rows`` reach together: host work only, once
+        per chunk of rows (every layer and the backward reuse it)."""
+        key = (rows.start, rows.stop)
+        if key not in self._covers:
+            lo, hi = self._rows()
+            self._covers[key] = (min(lo[rows]), max(hi[rows]))
+        return self._covers[key]
+
+
+def _row_bounds(q: Meta, k: Meta, causal: bool, window: Window) -> tuple[array, array]:
+    """:class:`Reach`'s bounds, without the [rows, cols] mask: the real keys sorted by
+    (sequence, position), a row's visible keys are one range of them (its sequence, from its
+    window's left edge to its right or causal edge). Every column for every row where a
+    sequence's keys are not in position order in memory (no layout the backend makes)."""
+    q_seq, q_pos, q_ok = q
+    k_seq, k_pos, k_ok = k
+    n, m = int(q_seq.numel()), int(k_seq.numel())
+    lo = torch.full((n,), m, dtype=torch.long)
+    hi = torch.zeros(n, dtype=torch.long)
+    col = torch.nonzero(k_ok).flatten()  # the real keys, in memory order
+    if n and col.numel():
+        span = int(torch.maximum(q_pos.max(), k_pos.max())) + 2  # one sequence's keys apart
+        key, order = torch.sort(k_seq[col] * span + k_pos[col], stable=True)
+        col = col[order]
+        same = k_seq[col][1:] == k_seq[col][:-1]
+        if bool((col[1:][same] <= col[:-1][same]).any()):
+            return array("q", [0] * n), array("q", [m] * n)
+        left, right = window if window is not None else (-1, -1)
+        first = q_pos - left if left >= 0 else torch.zeros_like(q_pos)
+        last = q_pos + right if right >= 0 else torch.full_like(q_pos, span - 1)
+        if causal:
+            last = torch.minimum(last, q_pos)
+        base = q_seq * span
+        i0 = torch.searchsorted(key, base + first.clamp(min=0))
+        i1 = torch.searchsorted(key, base + last.clamp(max=span - 1), right=True) - 1
+        seen = q_ok & (i1 >= i0)
+        lo[seen] = col[i0[seen]]
+        hi[seen] = col[i1[seen]] + 1
+    return array("q", lo.tolist()), array("q", hi.tolist())

@@ -145,3 +145,16 @@ def test_a_packed_blocks_rows_reach_their_mask(name):
         lo, hi = torch.tensor(list(block.reach.lo)), torch.tensor(list(block.reach.hi))
         assert torch.equal(lo[seen], first[seen]) and torch.equal(hi[seen], last[seen])
         assert (lo[~seen] >= hi[~seen]).all()
+
+
+def test_a_reach_out_of_position_order_covers_every_column():
+    """Keys of one sequence out of position order in memory (no layout the backend makes): each
+    row's reach is every column, so its chunks take them all - never fewer than it sees."""
+    from megatron_hcp.attention.reference.masks import Reach
+
+    seq, ok = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool)
+    reach = Reach((seq, torch.arange(4), ok), (seq, torch.tensor([3, 2, 1, 0]), ok), True, None)
+    assert list(reach.lo) == [0] * 4 and list(reach.hi) == [4] * 4
+    ordered = Reach((seq, torch.arange(4), ok), (seq, torch.arange(4), ok), True, None)
+    assert list(ordered.lo) == [0] * 4 and list(ordered.hi) == [1, 2, 3, 4]
+    assert ordered.cover(slice(1, 3)) == (0, 3)
