@@ -30,7 +30,8 @@ from .kernels import block_backward, block_forward, choose_kernel
 from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 
-__all__ = ["MemoryCase", "LocalFlash", "floor_bytes", "local_flash", "rank_memory", "rank_times"]
+__all__ = ["MemoryCase", "LocalFlash", "case_step", "floor_bytes", "local_flash", "rank_memory",
+           "rank_times"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,19 @@ def _inputs(case: MemoryCase, position: int, device: torch.device):
     return shards, meta
 
 
+def case_step(case: MemoryCase, cp_groups: CPGroups, cache: dict, device: str = "cpu"
+              ) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+    """This rank's step of ``case``: q, k, v as leaves that require grad, the output's
+    gradient and the keyword arguments of :func:`~.api.context_parallel_attention` (its groups
+    from ``cp_groups``, :func:`~.launch_proxy.case_groups`, and the thd metadata)."""
+    group, position = case_groups(case, cp_groups, cache)
+    (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
+                  window_size=case.window, **meta)
+    return leaves, dout, kwargs
+
+
 def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups: CPGroups
                 ) -> list[tuple[StepMemory, StepMemory]]:
     """On every rank of the world: (CP step, :class:`LocalFlash` step) of each case, counted
@@ -187,11 +201,7 @@ def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = case_groups(case, cp_groups, cache)
-        (q, k, v, dout), meta = _inputs(case, position, torch.device(device))
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
-                      window_size=case.window, **meta)
+        leaves, dout, kwargs = case_step(case, cp_groups, cache, device)
 
         def cp_step(*qkv: torch.Tensor, kwargs=kwargs) -> torch.Tensor:
             return context_parallel_attention(*qkv, **kwargs)
@@ -216,11 +226,7 @@ def rank_times(cases: tuple[MemoryCase, ...], repeats: int = 3, *, cp_groups: CP
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = case_groups(case, cp_groups, cache)
-        (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt,
-                      window_size=case.window, **meta)
+        leaves, dout, kwargs = case_step(case, cp_groups, cache)
         out.append((_best(repeats, True, context_parallel_attention, leaves, dout, kwargs),
                     _best(repeats, False, local_flash, leaves, dout, {})))
     return out

@@ -23,6 +23,7 @@ from megatron_hcp.attention.reference.memory import LiveBytes
 from megatron_hcp.attention.reference.memory_proxy import (
     MemoryCase,
     _inputs,
+    case_step,
     floor_bytes,
     rank_memory,
 )
@@ -84,14 +85,10 @@ def saved_per_function(cases: tuple[MemoryCase, ...]) -> list[dict]:
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = case_groups(case, bare_cp_groups, cache)
-        (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
-        leaves = [x.requires_grad_() for x in (q, k, v)]
+        leaves, dout, kwargs = case_step(case, bare_cp_groups, cache)
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
-            result = context_parallel_attention(
-                *(x.clone() for x in leaves), cp_comm_type=case.comm, cp_group=group,
-                qkv_format=case.fmt, **meta)
+            result = context_parallel_attention(*(x.clone() for x in leaves), **kwargs)
         functions = {}
         for node in _graph_nodes(result.grad_fn):
             name = type(node).__name__
@@ -149,10 +146,7 @@ def kept_with_a_late_peer(cases: tuple[MemoryCase, ...], late: int, delay_s: flo
     cache: dict = {}
     out = []
     for case in cases:
-        group, position = case_groups(case, bare_cp_groups, cache)
-        (q, k, v, dout), meta = _inputs(case, position, torch.device("cpu"))
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-        kwargs = dict(cp_comm_type=case.comm, cp_group=group, qkv_format=case.fmt, **meta)
+        leaves, dout, kwargs = case_step(case, bare_cp_groups, cache)
         context_parallel_attention(*leaves, **kwargs).backward(dout)  # warm-up
         dist.barrier()
         if dist.get_rank() == late:

@@ -34,11 +34,9 @@ def _tensors():
     return q, k, v, dout
 
 
-def _step(runs: bool):
-    """The block's forward merged into fresh accumulators, then its backward; the results and
+def _run(block, q, k, v, dout):
+    """``block``'s forward merged into fresh accumulators, then its backward; the results and
     the backward's peak bytes above what exists before it."""
-    block = _block(runs)
-    q, k, v, dout = _tensors()
     out, lse = _new_acc(q, v, None)
     _forward_block(q, k, v, block, DIM**-0.5, out, lse, first=True)
     out = out.to(q.dtype)
@@ -46,6 +44,11 @@ def _step(runs: bool):
     with LiveBytes() as mem:
         _backward_block(dout, q, k, v, out, lse, block, DIM**-0.5, dq, dk, dv)
     return (out, lse, dq, dk, dv), mem.peak
+
+
+def _step(runs: bool):
+    """The test block with or without its runs (:func:`_run`)."""
+    return _run(_block(runs), *_tensors())
 
 
 def test_a_windowed_block_of_one_run_is_planned_with_its_runs():
@@ -106,14 +109,7 @@ def _chunked_step(reach: bool, monkeypatch):
     block = plan_block(layout, layout, True, (256, 0))
     block = block if reach else dataclasses.replace(block, reach=None)
     gen = torch.Generator().manual_seed(1)
-    q, k, v, dout = (torch.randn(1, HEADS, 2048, DIM, generator=gen) for _ in range(4))
-    out, lse = _new_acc(q, v, None)
-    _forward_block(q, k, v, block, DIM**-0.5, out, lse, first=True)
-    out = out.to(q.dtype)
-    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
-    with LiveBytes() as mem:
-        _backward_block(dout, q, k, v, out, lse, block, DIM**-0.5, dq, dk, dv)
-    return (out, lse, dq, dk, dv), mem.peak
+    return _run(block, *(torch.randn(1, HEADS, 2048, DIM, generator=gen) for _ in range(4)))
 
 
 def test_row_chunks_take_only_the_columns_they_reach(monkeypatch):
