@@ -189,11 +189,11 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
                                                                   col_run.start + hi)
                     mask = mask.key_cols(slice(lo, hi))
         elif block.causal:  # the diagonal of the chunk's rows (offset by its start): the
-            # columns up to its last row's
-            reach = cols if bias is not None else part.stop
-            part_cols = _sub(block.cols, 0, reach, m)
-            col_run = None if col_run is None else slice(col_run.start, col_run.start + reach)
-            mask = torch.ones(part.stop - part.start, reach, dtype=torch.bool,
+            # columns up to its last row's (a causal block runs in chunks on the math path
+            # only, which takes no bias in chunks)
+            part_cols = _sub(block.cols, 0, part.stop, m)
+            col_run = None if col_run is None else slice(col_run.start, col_run.start + part.stop)
+            mask = torch.ones(part.stop - part.start, part.stop, dtype=torch.bool,
                               device=q.device).tril(part.start)
         else:
             mask = None

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .blocks import take
 
 __all__ = ["OutputOrder", "RowsInOrder", "TokenOrder", "UlyssesAllToAll", "heads_to_seq",
            "pack_kv", "run_starts", "seq_to_heads", "split_kv"]
@@ -150,7 +151,7 @@ class RowsInOrder:
         """The rows ``sel`` of the reordered tensor."""
         n = int(self.perm.numel())
         if self._whole:
-            return _take(self._whole[0], sel)
+            return take(self._whole[0], sel)
         if isinstance(sel, slice):
             span = range(n)[sel]
             a, b = span.start, span.stop
@@ -161,7 +162,7 @@ class RowsInOrder:
             count = int(sel.numel())
         if 2 * count > n:
             self._whole.append(tokens_in_order(self.x, self.perm))
-            return _take(self._whole[0], sel)
+            return take(self._whole[0], sel)
         index = self.perm[sel] if isinstance(sel, slice) else self.perm.index_select(0, sel)
         return tokens_in_order(self.x, index)
 
@@ -170,11 +171,6 @@ class RowsInOrder:
         acc = torch.promote_types(self.x.dtype, torch.float32)
         sums = (self.x.to(acc) * other.x.to(acc)).sum(-1)
         return sums.index_select(2, self.perm)
-
-
-def _take(x: torch.Tensor, sel: slice | torch.Tensor) -> torch.Tensor:
-    """The tokens ``sel`` (dim 2) of ``x``: a view for a slice, else a gather."""
-    return x[:, :, sel] if isinstance(sel, slice) else x.index_select(2, sel)
 
 
 @dataclass(frozen=True, eq=False)
