@@ -3,7 +3,9 @@
 ``python -m tests.gpu.report RESULTS.xml`` prints the table and exits 1 when a check failed;
 ``... RESULTS.xml --passed TEST`` prints the parameters of the passed cases of ``TEST``
 (``module::test``), one per line.
-A skipped check is shown as ``skipped: <reason>`` and counted as skipped, never as passed.
+A skipped check is shown as ``skipped: <reason>`` and counted as skipped, never as passed. A
+run stopped before its end (Ctrl-C, ``timeout -s INT``) leaves a nameless test case where the
+check in progress was: ``interrupted``, counted apart, never as passed, and the exit is 1.
 The XML is the file pytest wrote in the same run (parsed with the standard library).
 """
 
@@ -21,7 +23,7 @@ __all__ = ["Check", "passed_params", "read_checks", "summary"]
 class Check:
     name: str  # module::test[params]
     gpus: str  # GPUs the check used ("-" when it did not run)
-    result: str  # passed | failed: <message> | error: <message> | skipped: <reason>
+    result: str  # passed | failed: <msg> | error: <msg> | skipped: <reason> | interrupted: <why>
     figure: str
 
     @property
@@ -38,6 +40,10 @@ def read_checks(xml_path: str | Path) -> list[Check]:
     """One :class:`Check` per test case of the junit XML, in run order."""
     checks = []
     for case in ET.parse(xml_path).getroot().iter("testcase"):
+        if case.get("name") is None:  # pytest's record of a run stopped in this check
+            checks.append(Check("(the check running when the run stopped)", "-",
+                                "interrupted: the run stopped before this check finished", ""))
+            continue
         module = (case.get("classname") or "").rsplit(".", 1)[-1]
         name = f"{module}::{case.get('name')}" if module else str(case.get("name"))
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -64,10 +70,11 @@ def summary(checks: list[Check]) -> str:
     lines = [" | ".join(r[i].ljust(widths[i]) for i in range(3)) + " | " + r[3] for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 6)
     counts = {k: sum(c.outcome == k for c in checks)
-              for k in ("passed", "failed", "error", "skipped")}
+              for k in ("passed", "failed", "error", "skipped", "interrupted")}
     lines.append(f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} "
                  f"errors, {counts['skipped']} skipped (a skipped check did not run and is not "
-                 "counted as passed)")
+                 "counted as passed)"
+                 + (", the run was interrupted before its end" if counts["interrupted"] else ""))
     return "\n".join(lines)
 
 
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(passed_params(checks, args[2])))
         return 0
     print(summary(checks))
-    return 1 if any(c.outcome in ("failed", "error") for c in checks) else 0
+    return 1 if any(c.outcome in ("failed", "error", "interrupted") for c in checks) else 0
 
 
 if __name__ == "__main__":

@@ -253,6 +253,10 @@ def _sdpa_calls(q, k, v, dout, causal: bool, window: Window,
     band = None if window is None else band_mask(seq, causal, window, q.device)
     pieces = [slice(0, seq)] if lengths is None else [
         slice(start, start + n) for start, n in zip(itertools.accumulate((0, *lengths)), lengths)]
+    kv_heads = k.shape[1]
+    if band is not None and kv_heads != q.shape[1]:  # CUDA's efficient kernel (it takes the
+        # mask) has no enable_gqa: K/V expanded to the query heads once, outside the timing
+        k, v = (t.repeat_interleave(q.shape[1] // kv_heads, dim=1) for t in (k, v))
 
     def run(keep: bool = False):
         kept = []
@@ -264,9 +268,16 @@ def _sdpa_calls(q, k, v, dout, causal: bool, window: Window,
                     enable_gqa=k.shape[1] != q.shape[1])
                 out.backward(dout[:, :, part])
             if keep:
-                kept.append((out.detach(), qq.grad, kk.grad, vv.grad))
+                dk, dv = (_grouped(t.grad, kv_heads) for t in (kk, vv))
+                kept.append((out.detach(), qq.grad, dk, dv))
         return tuple(torch.cat(parts, dim=2) for parts in zip(*kept)) if keep else None
     return run
+
+
+def _grouped(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of expanded K/V heads [B, H, S, D] summed back onto ``kv_heads`` heads."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
 def _one_flash_call(q, k, v, dout, causal: bool, window: Window,

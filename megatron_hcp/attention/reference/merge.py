@@ -9,9 +9,10 @@ a row is copied in (what the merge gives on an output of 0 and an LSE of ``-inf`
   have rows that see no key (their ``w`` is NaN: set to 0), one more where the block output is
   in half precision (its conversion to the fp32 accumulator), and a gather and two scatters
   where the block's rows are an index (a window's trimmed rows).
-* **fused** - the same ops as one compiled function (:mod:`.gpu.fused`:
-  ``MEGATRON_HCP_FUSED_OPS``), the gather and scatters included: :data:`FUSED_KERNELS` Triton
-  kernels expected on a GPU.
+* **fused** - the same merge as one compiled function (:mod:`.gpu.fused`:
+  ``MEGATRON_HCP_FUSED_OPS``), the gather and scatters included, in the forms that compile to
+  the fewest Triton kernels (:func:`_fused_rows`, :func:`_fused_index`): :data:`FUSED_KERNELS`
+  on a GPU.
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ from .launches import fused_region
 __all__ = ["merge_into"]
 
 
+def _share(lse: torch.Tensor, lse_b: torch.Tensor, empty_rows: bool) -> torch.Tensor:
+    """The block's share ``w`` of each row (0 where no key reached the row yet)."""
+    w = torch.sigmoid(lse_b - lse)
+    return w.nan_to_num_(nan=0.0) if empty_rows else w
+
+
 def _merge_rows(out: torch.Tensor, lse: torch.Tensor, out_blk: torch.Tensor,
                 lse_blk: torch.Tensor, empty_rows: bool) -> None:
     """Merge a block into the rows ``out`` [B,H,R,Dv], ``lse`` [B,H,R] (views of the
     accumulators, written in place)."""
     lse_b = lse_blk.to(lse.dtype)
-    w = torch.sigmoid(lse_b - lse)
-    if empty_rows:  # rows no key reached yet, before and in this block (-inf - -inf): out 0
-        w = w.nan_to_num_(nan=0.0)
+    w = _share(lse, lse_b, empty_rows)  # rows no key reached yet (-inf - -inf): out 0
     out.lerp_(out_blk.to(out.dtype), w.unsqueeze(-1))
-    if torch.compiler.is_dynamo_compiling():  # dynamo takes no out=; the copy fuses into the kernel
+    if torch.compiler.is_dynamo_compiling():  # dynamo (a user's compile) takes no out=
         lse.copy_(torch.logaddexp(lse, lse_b))
     else:
         torch.logaddexp(lse, lse_b, out=lse)
@@ -49,27 +54,51 @@ def _merge_index(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: torch.Tenso
     lse_acc.index_copy_(2, rows, lse)
 
 
+def _fused_rows(out: torch.Tensor, lse: torch.Tensor, out_blk: torch.Tensor,
+                lse_blk: torch.Tensor, empty_rows: bool) -> None:
+    """:func:`_merge_rows` as compiled: ``out + w * (out_blk - out)`` in place of ``lerp_``,
+    whose result inductor writes back in a kernel of its own where the accumulator is
+    [B,S,H,D] in memory (the backend's layout: 3 Triton kernels instead of 2, measured on an
+    H200 with torch 2.11)."""
+    lse_b = lse_blk.to(lse.dtype)
+    w = _share(lse, lse_b, empty_rows)
+    out.add_(w.unsqueeze(-1) * (out_blk.to(out.dtype) - out))
+    lse.copy_(torch.logaddexp(lse, lse_b))
+
+
+def _fused_index(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: torch.Tensor,
+                 out_blk: torch.Tensor, lse_blk: torch.Tensor, empty_rows: bool) -> None:
+    """:func:`_merge_index` as compiled: the merged rows written with an index assignment
+    (``index_put_``; ``index_copy_`` of rows merged in place takes one Triton kernel more)."""
+    out, lse = out_acc[:, :, rows], lse_acc[:, :, rows]
+    lse_b = lse_blk.to(lse.dtype)
+    w = _share(lse, lse_b, empty_rows)
+    out_acc[:, :, rows] = torch.lerp(out, out_blk.to(out.dtype), w.unsqueeze(-1))
+    lse_acc[:, :, rows] = torch.logaddexp(lse, lse_b)
+
+
 # What torch.compile compiles: one function (one code object, so one cache of compiled
 # variants, each dtype pair one of them) per kind of rows and per empty_rows
 def _fused_rows_dense(*args) -> None:
-    _merge_rows(*args, False)
+    _fused_rows(*args, False)
 
 
 def _fused_rows_masked(*args) -> None:
-    _merge_rows(*args, True)
+    _fused_rows(*args, True)
 
 
 def _fused_index_dense(*args) -> None:
-    _merge_index(*args, False)
+    _fused_index(*args, False)
 
 
 def _fused_index_masked(*args) -> None:
-    _merge_index(*args, True)
+    _fused_index(*args, True)
 
 
-# the Triton kernels of a fused merge, as inductor is expected to split it (the LSE over
-# [rows] and the output over [rows, head dim] cannot share one; gathered rows add a scatter
-# each): what the launch proxy counts, and at most what tests/gpu accepts
+# the Triton kernels of a fused merge (the LSE over [rows] and the output over [rows, head
+# dim] cannot share one; gathered rows add a scatter each): what the launch proxy counts, and
+# at most what tests/gpu accepts - measured on an H200 (torch 2.11, fp32 accumulators in the
+# backend's layout, a bf16 block, rows a slice and an index)
 FUSED_KERNELS = {"rows": 2, "index": 4}
 
 FUSED = {("rows", False): _fused_rows_dense, ("rows", True): _fused_rows_masked,

@@ -138,6 +138,23 @@ def test_summary_never_counts_a_skipped_check_as_passed(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "one"
 
 
+def test_an_interrupted_run_is_never_counted_as_passed(tmp_path):
+    """A run stopped by SIGINT leaves a nameless test case (pytest's junit XML): the check that
+    was running is reported interrupted, not passed, and the report fails."""
+    xml = tmp_path / "r.xml"
+    xml.write_text(JUNIT.replace("</testsuite>", '<testcase time="0.002" /></testsuite>'))
+    checks = read_checks(xml)
+    assert checks[-1].outcome == "interrupted" and checks[-1].gpus == "-"
+    text = summary(checks)
+    assert "1 passed, 1 failed, 0 errors, 1 skipped" in text
+    assert text.endswith("the run was interrupted before its end")
+    assert sum(c.outcome == "passed" for c in checks) == 1
+    failure = re.search(r'<testcase [^>]*name="test_a\[two\]">.*?</testcase>', JUNIT, re.S)
+    xml.write_text(JUNIT.replace(failure.group(0), "").replace(
+        "</testsuite>", '<testcase time="0.002" /></testsuite>'))
+    assert report_main([str(xml)]) == 1  # no failure, but the suite did not finish
+
+
 def test_one_rank_recipe_is_its_source_on_one_rank(tmp_path):
     source = load_recipe(recipe_dir(ONE_RANK_SOURCE))
     one = load_recipe(one_rank_recipe(tmp_path / "r"))
