@@ -314,7 +314,7 @@ REFERENCE_LAYERS = [
     ("seq_layout", "switches", "kernel_support", "packing", "launches", "comm"),
     ("pieces", "bands", "block_counter"),
     ("gpu", "gpu.varlen", "gpu.fused"),
-    ("masks", "kernels", "blocks", "merge"),
+    ("masks", "kernels", "blocks", "merge", "grad_rows"),
     ("reorder", "functions", "repartition", "api"),
     ("oracle", "memory", "memory_proxy", "launch_proxy", "block_cost"),
 ]

@@ -31,6 +31,7 @@ from . import comm
 from .block_counter import record_kernel
 from .blocks import Block, plan_block, record_block, take
 from .gpu import VARLEN_KERNEL, kernel_calls, varlen_backward, varlen_forward, varlen_takes
+from .grad_rows import LazyRows, add_rows
 from .kernel_support import acc_dtype
 from .kernels import block_backward, block_forward, row_chunks
 from .masks import Window
@@ -123,9 +124,9 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
     if calls is not None:  # its varlen calls (FA2 takes no bias: those blocks keep theirs)
         for call in calls:
             gq, gk, gv = varlen_backward(dout, q, k, v, out, lse, call, scale)
-            dq[:, :, call.row_span].add_(gq)
-            dk[:, :, call.col_span].add_(gk)
-            dv[:, :, call.col_span].add_(gv)
+            add_rows(dq, call.row_span, gq)
+            add_rows(dk, call.col_span, gk)
+            add_rows(dv, call.col_span, gv)
         return None
     if block.pieces is not None:  # no bias with packed sequences: no bias gradient
         for piece in block.pieces:
@@ -139,11 +140,8 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
             take(lse, rows), scale=scale, causal=part.causal, mask=part.mask, bias=bias,
         )
         for acc, grad, sel in ((dq, gq, rows), (dk, gk, cols), (dv, gv, cols)):
-            if isinstance(sel, slice):
-                acc[:, :, sel].add_(grad)  # not `+=`: its copy back is one more op
-            else:
-                acc.index_add_(2, sel, grad.to(acc.dtype))
-        del gq, gk, gv
+            add_rows(acc, sel, grad)
+        del gq, gk, gv, grad
     return gb[0] if gb else None
 
 
@@ -431,7 +429,7 @@ class RingAttention(torch.autograd.Function):
                 return (gq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None,
                         None, dsink, None, None)
         acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = LazyRows(q.shape, acc, q.device)  # the local block's dq, where it has every row
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
         steps = ring_reach(layout, causal, window) + 1
@@ -455,8 +453,8 @@ class RingAttention(torch.autograd.Function):
         dkv = travelling.pop()
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
         dbias = dbias.to(bias.dtype) if bias is not None else None
-        return (dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None, None,
-                dsink, dbias, None)
+        return (dq.value().to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None,
+                None, dsink, dbias, None)
 
 
 def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
@@ -471,6 +469,29 @@ def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
         record_block(plan, layout)
     plans = [(src, plan) for src, plan in plans if plan is not None]
     return sorted(plans, key=lambda item: item[0] != layout.position)
+
+
+def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[Block, ...]:
+    """A dense block of more than half of q's rows whose dq is its largest gradient (GQA: more
+    query heads than KV heads) as two blocks of half its rows each: beside the dq
+    accumulator its backward then holds half of q, not all of it - the same work in two
+    kernel calls. Else ``(block,)``: where dK/dV are as large, halving saves nothing; causal,
+    masked, packed and varlen blocks do not split their rows without a mask."""
+    n = q.shape[2]
+    rows = _count(block.rows, n)
+    cols = _count(block.cols, k.shape[2])
+    if (block.causal or block.mask is not None or block.pieces is not None
+            or block.calls is not None or 2 * rows <= n
+            or rows * q.shape[1] * q.shape[-1] <= cols * k.shape[1] * (k.shape[-1] + v.shape[-1])):
+        return (block,)
+    half = rows // 2
+    run = block.row_run
+    return tuple(
+        Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
+              row_run=None if run is None else slice(run.start + lo, run.start + hi),
+              col_run=block.col_run)
+        for lo, hi in ((0, half), (half, rows)))
 
 
 def _gather(kv: torch.Tensor, group, n: int):
@@ -528,16 +549,18 @@ class AllGatherAttention(torch.autograd.Function):
         dout, out = _back(ctx, dout), _back(ctx, out)
         full, work = _gather(kv, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = LazyRows(q.shape, acc, q.device)  # the local block's dq (it comes first)
         dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
-        for src, block in _sources(layout, causal, window, record=False, varlen=ctx.varlen):
+        sources = _sources(layout, causal, window, record=False, varlen=ctx.varlen)
+        for index, (src, block) in enumerate(sources):
             if src != layout.position and work is not None:
                 work.wait()
                 work = None
             kj, vj = split_kv(kv if src == layout.position else full[src], dim)
             dk, dv = split_kv(dkv_all[src], dim)
-            _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
-                            varlen=ctx.varlen)
+            for part in _halves(block, q, kj, vj) if index else (block,):
+                _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv,
+                                varlen=ctx.varlen)
         if work is not None:
             work.wait()
         comm.release(full)
@@ -545,5 +568,5 @@ class AllGatherAttention(torch.autograd.Function):
         comm.reduce_scatter_tensor(mine.view(-1), dkv_all.view(-1), group)
         comm.release(dkv_all)
         dsink = _sink_grad(dout, out, lse, sink) if sink is not None else None
-        return (dq.to(q.dtype), mine.to(kv.dtype), None, None, None, None, None, None, dsink,
-                None)
+        return (dq.value().to(q.dtype), mine.to(kv.dtype), None, None, None, None, None, None,
+                dsink, None)
