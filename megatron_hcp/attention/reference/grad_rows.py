@@ -17,8 +17,9 @@ Selector = slice | torch.Tensor
 
 class LazyRows:
     """An accumulator of ``shape`` [B, H, S, D] in ``dtype``, made by its first :meth:`add`:
-    the gradient itself (in ``dtype``) where it covers every row and is no view of another
-    tensor, else zeros with it added."""
+    the gradient itself (in ``dtype``) where it covers every row and owns its whole storage
+    (a kernel's output, in whatever dimension order: CUDA's flash backward returns dq as a
+    transposed view), else zeros with it added."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
@@ -29,7 +30,7 @@ class LazyRows:
         if self._acc is None:
             rows = self.shape[2]
             whole = isinstance(sel, slice) and range(rows)[sel] == range(rows)
-            if whole and grad.shape == self.shape and grad._base is None:
+            if whole and grad.shape == self.shape and _owns_storage(grad):
                 self._acc = grad.to(self.dtype)  # the kernel's own tensor (or its copy)
                 return
             self._acc = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -40,6 +41,12 @@ class LazyRows:
         if self._acc is None:
             self._acc = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return self._acc
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """``t`` is all of its storage, each element once (no slice or broadcast of another)."""
+    return (t.storage_offset() == 0 and all(st > 0 for st, n in zip(t.stride(), t.shape) if n > 1)
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def add_rows(acc: torch.Tensor | LazyRows, sel: Selector, grad: torch.Tensor) -> None:

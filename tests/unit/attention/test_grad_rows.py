@@ -35,9 +35,18 @@ def test_partial_rows_views_and_other_dtypes_start_from_zeros():
     base = torch.randn(1, 2, 6, 4)
     view = base[..., :3]
     acc = LazyRows(SHAPE, torch.float32, torch.device("cpu"))
-    acc.add(slice(None), view)  # a view of another tensor: never the accumulator
+    acc.add(slice(None), view)  # a slice of another tensor: never the accumulator
     assert acc.value().untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert torch.equal(acc.value(), view)
+
+    permuted = torch.randn(1, 6, 2, 3).transpose(1, 2)  # all of its storage, in another order
+    acc = LazyRows(SHAPE, torch.float32, torch.device("cpu"))
+    acc.add(slice(None), permuted)
+    assert acc.value() is permuted
+    broadcast = torch.randn(1, 2, 1, 3).expand(SHAPE)
+    acc = LazyRows(SHAPE, torch.float32, torch.device("cpu"))
+    acc.add(slice(None), broadcast)  # one element many times: never written into
+    assert acc.value() is not broadcast and torch.equal(acc.value(), broadcast)
 
     half = _grad(dtype=torch.bfloat16)
     acc = LazyRows(SHAPE, torch.float32, torch.device("cpu"))
