@@ -44,6 +44,7 @@ from .blocks import plan_block
 from .functions import _backward_block, _forward_block, _varlen
 from .gpu import VarlenCall, fa2_checked, fusing, varlen_backward, varlen_forward, varlening
 from .kernel_support import acc_dtype
+from .kernels import expand_kv, reduce_kv
 from .masks import Window
 from .pieces import splitting
 from .seq_layout import SeqLayout, half_grouping
@@ -254,9 +255,8 @@ def _sdpa_calls(q, k, v, dout, causal: bool, window: Window,
     pieces = [slice(0, seq)] if lengths is None else [
         slice(start, start + n) for start, n in zip(itertools.accumulate((0, *lengths)), lengths)]
     kv_heads = k.shape[1]
-    if band is not None and kv_heads != q.shape[1]:  # CUDA's efficient kernel (it takes the
-        # mask) has no enable_gqa: K/V expanded to the query heads once, outside the timing
-        k, v = (t.repeat_interleave(q.shape[1] // kv_heads, dim=1) for t in (k, v))
+    if band is not None:  # CUDA's efficient kernel (it takes the mask) has no enable_gqa:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])  # once, outside the timing
 
     def run(keep: bool = False):
         kept = []
@@ -268,16 +268,10 @@ def _sdpa_calls(q, k, v, dout, causal: bool, window: Window,
                     enable_gqa=k.shape[1] != q.shape[1])
                 out.backward(dout[:, :, part])
             if keep:
-                dk, dv = (_grouped(t.grad, kv_heads) for t in (kk, vv))
+                dk, dv = (reduce_kv(t.grad, kv_heads) for t in (kk, vv))
                 kept.append((out.detach(), qq.grad, dk, dv))
         return tuple(torch.cat(parts, dim=2) for parts in zip(*kept)) if keep else None
     return run
-
-
-def _grouped(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of expanded K/V heads [B, H, S, D] summed back onto ``kv_heads`` heads."""
-    b, h, s, d = grad.shape
-    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
 def _one_flash_call(q, k, v, dout, causal: bool, window: Window,

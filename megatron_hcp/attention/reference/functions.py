@@ -169,33 +169,27 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
                        biased=bias is not None)
     if parts is None:
         return [block]
-    start = range(n)[block.rows].start if isinstance(block.rows, slice) else 0
-    run = block.row_run
     out = []
     for part in parts:
-        sub = (slice(start + part.start, start + part.stop) if isinstance(block.rows, slice)
-               else block.rows[part])
-        sub_run = None if run is None else slice(run.start + part.start, run.start + part.stop)
         part_cols, col_run = block.cols, block.col_run
         if block.mask is not None:
             mask = block.mask.query_rows(part)
             if block.reach is not None and bias is None:  # the columns its rows reach
                 lo, hi = block.reach.cover(part)
                 if lo < hi and hi - lo < cols:
-                    part_cols = _sub(block.cols, lo, hi, m)
-                    col_run = None if col_run is None else slice(col_run.start + lo,
-                                                                  col_run.start + hi)
+                    part_cols, col_run = _sub(block.cols, lo, hi, m), _sub_run(col_run, lo, hi)
                     mask = mask.key_cols(slice(lo, hi))
         elif block.causal:  # the diagonal of the chunk's rows (offset by its start): the
             # columns up to its last row's (a causal block runs in chunks on the math path
             # only, which takes no bias in chunks)
-            part_cols = _sub(block.cols, 0, part.stop, m)
-            col_run = None if col_run is None else slice(col_run.start, col_run.start + part.stop)
+            part_cols, col_run = _sub(block.cols, 0, part.stop, m), _sub_run(col_run, 0, part.stop)
             mask = torch.ones(part.stop - part.start, part.stop, dtype=torch.bool,
                               device=q.device).tril(part.start)
         else:
             mask = None
-        out.append(Block(sub, part_cols, False, mask, row_run=sub_run, col_run=col_run))
+        out.append(Block(_sub(block.rows, part.start, part.stop, n), part_cols, False, mask,
+                         row_run=_sub_run(block.row_run, part.start, part.stop),
+                         col_run=col_run))
     return out
 
 
@@ -205,6 +199,11 @@ def _sub(sel, lo: int, hi: int, n: int):
         first = range(n)[sel].start
         return slice(first + lo, first + hi)
     return sel[lo:hi]
+
+
+def _sub_run(run: slice | None, lo: int, hi: int) -> slice | None:
+    """The tokens ``lo`` to ``hi`` of a block's run (``None``: it has none)."""
+    return None if run is None else slice(run.start + lo, run.start + hi)
 
 
 def _count(sel, n: int) -> int:
@@ -486,12 +485,9 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             or rows * q.shape[1] * q.shape[-1] <= cols * k.shape[1] * (k.shape[-1] + v.shape[-1])):
         return (block,)
     half = rows // 2
-    run = block.row_run
-    return tuple(
-        Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
-              row_run=None if run is None else slice(run.start + lo, run.start + hi),
-              col_run=block.col_run)
-        for lo, hi in ((0, half), (half, rows)))
+    return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
+                       row_run=_sub_run(block.row_run, lo, hi), col_run=block.col_run)
+                 for lo, hi in ((0, half), (half, rows)))
 
 
 def _gather(kv: torch.Tensor, group, n: int):

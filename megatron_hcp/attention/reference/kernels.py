@@ -50,8 +50,8 @@ from .kernel_support import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, MATH, acc_dty
 from .kernel_support import torch_accepts as _torch_accepts
 from .masks import BlockMask, additive_of
 
-__all__ = ["KernelChoice", "block_backward", "block_forward", "choose_kernel", "kernel_for",
-           "row_chunks"]
+__all__ = ["KernelChoice", "block_backward", "block_forward", "choose_kernel", "expand_kv",
+           "kernel_for", "reduce_kv", "row_chunks"]
 
 _NEG_INF = float("-inf")
 _HALF = (torch.float16, torch.bfloat16)
@@ -124,7 +124,7 @@ def cpu_flash_takes_grouped_kv() -> bool:
     want_out, want_lse = flash(q, ke, ve, 0.0, False, attn_mask=add, scale=0.5)
     want = back(dout, q, ke, ve, want_out, want_lse, 0.0, False, attn_mask=add, scale=0.5)
     got = (out, lse, dq, dk, dv)
-    expect = (want_out, want_lse, want[0], _reduce_kv(want[1], 1), _reduce_kv(want[2], 1))
+    expect = (want_out, want_lse, want[0], reduce_kv(want[1], 1), reduce_kv(want[2], 1))
     return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                for a, b in zip(got, expect))
 
@@ -174,7 +174,8 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     return choice
 
 
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V [B, Hkv, S, D] repeated to ``heads`` heads (each KV head for its query group)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
@@ -186,7 +187,8 @@ def _expanded_view(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, :1].expand(x.shape[0], heads, *x.shape[2:])
 
 
-def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of K/V expanded by :func:`expand_kv` summed back onto ``kv_heads``."""
     b, h, s, d = dx.shape
     return dx if h == kv_heads else dx.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
@@ -416,7 +418,7 @@ def block_forward(
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     record_kernel(kernel.kernel, kernel.reason)
     if k.shape[1] != heads and (kernel.kernel == MATH or not takes_grouped_kv(kernel.kernel)):
-        k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+        k, v = expand_kv(k, heads), expand_kv(v, heads)
     if kernel.kernel != MATH:
         return _fused_forward(kernel.kernel, q, k, v, scale, causal, mask)
     acc = acc_dtype(q.dtype)
@@ -455,7 +457,7 @@ def block_backward(
     if kernel is None:
         kernel = kernel_for(q, k, v, causal=causal, mask=mask, bias=bias)
     grouped = kv_heads == heads or (kernel.kernel != MATH and takes_grouped_kv(kernel.kernel))
-    ke, ve = (k, v) if grouped else (_expand_kv(k, heads), _expand_kv(v, heads))
+    ke, ve = (k, v) if grouped else (expand_kv(k, heads), expand_kv(v, heads))
     if kernel.kernel != MATH:
         run = backward_dtype(kernel.kernel, q.dtype, ke.shape[1] != heads)
         dq, dk, dv = _fused_backward(kernel.kernel, dout.to(run), q.to(run), ke.to(run),
@@ -476,5 +478,5 @@ def block_backward(
         ds = dscores * scale
         dq = torch.matmul(ds, ka)
         dk = torch.matmul(ds.transpose(-1, -2), qa)
-    grads = (dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads))
+    grads = (dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads))
     return grads if bias is None else (*grads, dbias)
