@@ -14,7 +14,9 @@ What they keep for the backward is what its kernels read again and nothing twice
 packed K/V (the message itself: no second copy), the output *as returned* (an
 :class:`~.reorder.OutputOrder` - the a2a back, or the token order of packed halves - moves it
 inside the function, and the backward moves it back: the model holds the returned output
-anyway) and the LSE. Communication buffers are dropped, or released
+anyway; once moved back the returned one is let go, :class:`~.reorder.HeldOutput`) and the
+LSE. A large block's backward may run in halves (:func:`_halves`), so that its largest
+gradient beside the accumulators is half as large. Communication buffers are dropped, or released
 (:func:`~.comm.release`), as soon as their data is used, so what a rank holds when the
 forward returns does not depend on how fast its peers are.
 """
@@ -37,7 +39,7 @@ from .kernels import block_backward, block_forward, row_chunks
 from .masks import Window
 from .merge import merge_into
 from .pieces import split_mode, splitting
-from .reorder import OutputOrder, RowsInOrder, split_kv
+from .reorder import HeldOutput, OutputOrder, RowsInOrder, split_kv
 from .seq_layout import SeqLayout
 
 __all__ = ["AllGatherAttention", "RingAttention", "ring_reach"]
@@ -158,6 +160,28 @@ def _back(ctx, x: torch.Tensor) -> torch.Tensor | RowsInOrder:
     return ctx.order.back(x, whole=ctx.varlen is not None)
 
 
+def _save(ctx, out: torch.Tensor, *tensors) -> None:
+    """Save ``tensors`` for the backward, and the returned ``out``: with them where it is the
+    attention's own output or saved-tensor hooks are active, else in a
+    :class:`~.reorder.HeldOutput` (its backward lets go of it once moved back: not alive in
+    both layouts at the peak)."""
+    held = ctx.order.moves and HeldOutput.applies()
+    ctx.held = HeldOutput(out) if held else None
+    ctx.save_for_backward(None if held else out, *tensors)
+
+
+def _saved(ctx, dout: torch.Tensor) -> tuple:
+    """The output's gradient ``dout`` and the output :func:`_save` saved, both in the
+    attention's layout (:func:`_back`), and the other saved tensors."""
+    out, *tensors = ctx.saved_tensors
+    if ctx.held is not None:  # moved back whole, and the returned one let go: the blocks
+        # then read views of it, as of an output that never moved
+        out = ctx.order.back(ctx.held.take())
+    else:
+        out = _back(ctx, out)
+    return _back(ctx, dout), out, tensors
+
+
 def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Block]:
     """``block`` as the blocks of the row chunks it runs in (:func:`~.kernels.row_chunks`:
     where its kernel would build a mask or scores of rows x cols larger than its share of
@@ -245,9 +269,10 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
                ) -> torch.Tensor:
     """d loss / d sink of this rank's rows: the sink's probability times ``-rowsum(dO * O)``,
     summed over batch and rows (its value is 0, so it only takes share from the others)."""
-    if isinstance(dout, RowsInOrder):
+    if isinstance(dout, RowsInOrder) and isinstance(out, RowsInOrder):
         delta = dout.row_sums(out).to(lse.dtype)
     else:
+        dout, out = (_rows(x, slice(None)) for x in (dout, out))
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     prob = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
     return -(prob * delta).sum((0, 2)).to(sink.dtype)
@@ -344,11 +369,15 @@ def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, s
     ``dkv`` (and ``dbias``)."""
     kj, vj = split_kv(msg, dim)
     dk, dv = split_kv(dkv, dim)
-    where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
-    gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
-                         _bias_block(bias, where), varlen=varlen)
-    if gb is not None:
-        _add_bias_grad(dbias, gb, where)
+    if bias is not None:  # the bias's gradient is the whole block's
+        where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
+        gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+                             _bias_block(bias, where), varlen=varlen)
+        if gb is not None:
+            _add_bias_grad(dbias, gb, where)
+        return
+    for part in _halves(block, q, kj, vj):
+        _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv, varlen=varlen)
 
 
 def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
@@ -403,17 +432,16 @@ class RingAttention(torch.autograd.Function):
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         out = order.leave(out)
-        ctx.save_for_backward(q, kv, out, lse, sink, bias)
         ctx.meta = (dim, layout, group, ranks, causal, scale, window)
         ctx.split, ctx.varlen, ctx.order = split_mode(), varlen, order
+        _save(ctx, out, q, kv, lse, sink, bias)
         return out
 
     @staticmethod
     @_as_planned
     def backward(ctx, dout):
-        q, kv, out, lse, sink, bias = ctx.saved_tensors
+        dout, out, (q, kv, lse, sink, bias) = _saved(ctx, dout)
         dim, layout, group, ranks, causal, scale, window = ctx.meta
-        dout, out = _back(ctx, dout), _back(ctx, out)
         p, pos = len(ranks), layout.position
         if p == 1 and bias is None:  # one block (a2a, local attention): where it is whole,
             # its gradients are the gradients - no accumulators beside them
@@ -470,24 +498,42 @@ def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
     return sorted(plans, key=lambda item: item[0] != layout.position)
 
 
+# a block's backward runs in halves only where that saves this many gradient elements or
+# more (half its largest gradient; the floor of the math path's row chunks,
+# kernels.CHUNK_ELEMENTS); below it the block runs whole: one more kernel call and its
+# adds cost more than the bytes are worth (the launch proxy's blocks would save 2^16 - 2^17)
+HALVE_ELEMENTS = 2**18
+
+
 def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[Block, ...]:
-    """A dense block of more than half of q's rows whose dq is its largest gradient (GQA: more
-    query heads than KV heads) as two blocks of half its rows each: beside the dq
-    accumulator its backward then holds half of q, not all of it - the same work in two
-    kernel calls. Else ``(block,)``: where dK/dV are as large, halving saves nothing; causal,
-    masked, packed and varlen blocks do not split their rows without a mask."""
-    n = q.shape[2]
-    rows = _count(block.rows, n)
-    cols = _count(block.cols, k.shape[2])
+    """A dense block as two blocks, the same work in two kernel calls (and one more add of
+    the whole gradient), where that halves its largest gradient beside the accumulators, by
+    :data:`HALVE_ELEMENTS` or more: half its rows each where dq is its largest gradient
+    (GQA: more query heads than KV heads) and it has more than half of q's rows; half its
+    columns each where dK/dV are (MHA: the later rows of a ring or all-gather block, which see
+    every column) and it has more than half of the K/V's columns. Else ``(block,)``: where
+    dq and dK/dV are as large (a ring's block of every row and half the columns), and
+    causal, masked, packed and varlen blocks, which do not split without a mask."""
+    n, m = q.shape[2], k.shape[2]
+    rows, cols = _count(block.rows, n), _count(block.cols, m)
+    b = q.shape[0]
+    dq = b * rows * q.shape[1] * q.shape[-1]
+    dkv = b * cols * k.shape[1] * (k.shape[-1] + v.shape[-1])
     if (block.causal or block.mask is not None or block.pieces is not None
-            or block.calls is not None or 2 * rows <= n
-            or rows * q.shape[1] * q.shape[-1] <= cols * k.shape[1] * (k.shape[-1] + v.shape[-1])):
+            or block.calls is not None or max(dq, dkv) < 2 * HALVE_ELEMENTS):
         return (block,)
-    half = rows // 2
-    return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
-                       row_run=_sub_run(block.row_run, lo, hi), col_run=block.col_run)
-                 for lo, hi in ((0, half), (half, rows)))
+    if dq > dkv and 2 * rows > n:
+        half = rows // 2
+        return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
+                           row_run=_sub_run(block.row_run, lo, hi), col_run=block.col_run)
+                     for lo, hi in ((0, half), (half, rows)))
+    if dkv > dq and 2 * cols > m:
+        half = cols // 2
+        return tuple(Block(block.rows, _sub(block.cols, lo, hi, m), False, None,
+                           row_run=block.row_run, col_run=_sub_run(block.col_run, lo, hi))
+                     for lo, hi in ((0, half), (half, cols)))
+    return (block,)
 
 
 def _gather(kv: torch.Tensor, group, n: int):
@@ -532,17 +578,16 @@ class AllGatherAttention(torch.autograd.Function):
         lse = _apply_sink(out, lse, sink)
         out = out.to(q.dtype)  # the backward's kernels read the output in q's dtype
         out = order.leave(out)
-        ctx.save_for_backward(q, kv, out, lse, sink)
         ctx.meta = (dim, layout, group, causal, scale, window)
         ctx.split, ctx.varlen, ctx.order = split_mode(), varlen, order
+        _save(ctx, out, q, kv, lse, sink)
         return out
 
     @staticmethod
     @_as_planned
     def backward(ctx, dout):
-        q, kv, out, lse, sink = ctx.saved_tensors
+        dout, out, (q, kv, lse, sink) = _saved(ctx, dout)
         dim, layout, group, causal, scale, window = ctx.meta
-        dout, out = _back(ctx, dout), _back(ctx, out)
         full, work = _gather(kv, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = LazyRows(q.shape, acc, q.device)  # the local block's dq (it comes first)

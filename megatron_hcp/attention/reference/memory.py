@@ -198,7 +198,8 @@ def measure_step(forward: Callable[..., torch.Tensor], leaves: list[torch.Tensor
     """Count one step as a model runs it: the inputs are made inside the step as tensors of
     the graph (a copy of each of ``leaves``, which require grad, as a projection makes q, k,
     v), ``forward(*inputs)`` runs, the inputs are dropped (the model keeps only what autograd
-    saved), the output's backward runs with ``grad``. ``leaves`` and ``grad`` exist before the
+    saved), the output's backward runs with ``grad`` and nothing but the graph holds the output
+    (the next layer's backward has released it). ``leaves`` and ``grad`` exist before the
     counter starts and are not counted; the gradients of ``leaves`` are."""
     for leaf in leaves:
         leaf.grad = None
@@ -207,7 +208,12 @@ def measure_step(forward: Callable[..., torch.Tensor], leaves: list[torch.Tensor
         out = forward(*inputs)
         del inputs
         kept = mem.mark("forward")
-        out.backward(grad)
+        # the backward starts from the output's edge, not the output: a model's next layer
+        # releases its reference to the attention's output in its own backward, which runs
+        # first, so the attention's backward is then all that may hold it
+        edge = torch.autograd.graph.get_gradient_edge(out)
         del out
+        torch.autograd.backward(edge, grad)
+        del edge
         after = mem.mark("backward")
     return StepMemory(kept, mem.peak, after)

@@ -13,6 +13,8 @@ input and the all-to-all's, saved once for the backward.
   keep only the output they return (which the model holds anyway) and convert it back in
   backward, as Transformer Engine's a2a attention does, instead of keeping it twice; in token
   order as :class:`RowsInOrder`, which gathers only the rows a block reads.
+* :class:`HeldOutput` - the returned output as such a function holds it: released in the
+  backward once moved back, so the output is not alive in both layouts at the backward's peak.
 
 ``heads_inner``: a result laid out [B, S, H, D] in memory (heads inside the rows, as megatron's
 bshd / thd tensors and the efficient kernel's backward read an output), else contiguous
@@ -29,8 +31,8 @@ import torch.distributed as dist
 from . import comm
 from .blocks import take
 
-__all__ = ["OutputOrder", "RowsInOrder", "TokenOrder", "UlyssesAllToAll", "heads_to_seq",
-           "pack_kv", "run_starts", "seq_to_heads", "split_kv"]
+__all__ = ["HeldOutput", "OutputOrder", "RowsInOrder", "TokenOrder", "UlyssesAllToAll",
+           "heads_to_seq", "pack_kv", "run_starts", "seq_to_heads", "split_kv"]
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -210,3 +212,52 @@ class OutputOrder:
         if self.kind == "tokens":
             return tokens_in_order(x, self.inv)
         return x
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``): its saved state must
+    then outlive it. Where torch cannot tell, assume it does."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
+
+
+class HeldOutput:
+    """An attention function's returned output, held for its backward where the backward reads
+    it moved back into the attention's layout (an :class:`OutputOrder` that moves).
+
+    ``save_for_backward`` would hold the returned output until the whole backward ends, beside
+    its moved-back copy. This holds a detached alias of it instead (it shares the storage and
+    the version counter, and has no ``grad_fn``: no reference cycle through the graph) and
+    :meth:`take` lets go of it, so once the backward has moved it back and the model's next
+    layer has released its own reference (its backward ran first), the returned output's
+    memory is free. An in-place change of the output between forward and backward is refused,
+    as autograd refuses it for a saved tensor; a graph kept for another backward
+    (``retain_graph``) keeps the output too. Only where :meth:`applies`."""
+
+    @staticmethod
+    def applies() -> bool:
+        """Whether an output may be held so: not while saved-tensor hooks are active
+        (activation offloading, checkpointing), which must see every saved tensor to move or
+        drop it - there the output is saved as usual."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        return top is not None and top(False) is None
+
+    def __init__(self, out: torch.Tensor):
+        self._out: torch.Tensor | None = out.detach()
+        self._version = out._version
+
+    def take(self) -> torch.Tensor:
+        """The output; this holder's reference is dropped unless the graph is kept."""
+        out = self._out
+        if out is None:
+            raise RuntimeError(
+                "the CP attention's backward ran a second time after its graph was freed; "
+                "pass retain_graph=True to the first backward to run it again")
+        if out._version != self._version:
+            raise RuntimeError(
+                "the CP attention's output was modified in place after the forward (version "
+                f"{out._version}, saved at {self._version}); its backward reads the output as "
+                "returned: use an out-of-place op on it (e.g. x = x + y, not x += y)")
+        if not _graph_kept():
+            self._out = None
+        return out

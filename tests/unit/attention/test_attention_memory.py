@@ -78,10 +78,23 @@ def _recorder(saved: list[torch.Tensor]):
     return pack
 
 
+def _function_bytes(result: torch.Tensor) -> dict[str, int]:
+    """Bytes (by storage) each CP function of ``result``'s graph holds for its backward: its
+    saved tensors and the output it holds itself (``HeldOutput``)."""
+    functions = {}
+    for node in _graph_nodes(result.grad_fn):
+        name = type(node).__name__
+        if name in CP_FUNCTIONS:
+            held = node.held._out if node.held is not None else None
+            functions[name] = sum(_storage_bytes([*node.saved_tensors, held]).values())
+    return functions
+
+
 def saved_per_function(cases: tuple[MemoryCase, ...]) -> list[dict]:
-    """Per case on this rank: the bytes each CP function of the graph saved (by storage), the
-    bytes every node saved (``saved_tensors_hooks``: anything saved anywhere), and the
-    floor."""
+    """Per case on this rank: the bytes each CP function of the graph holds for its backward
+    (by storage) with saved-tensor hooks active and without (where it holds the returned
+    output itself), the bytes every node saved (``saved_tensors_hooks``: anything saved
+    anywhere), and the floor."""
     cache: dict = {}
     out = []
     for case in cases:
@@ -89,13 +102,13 @@ def saved_per_function(cases: tuple[MemoryCase, ...]) -> list[dict]:
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
             result = context_parallel_attention(*(x.clone() for x in leaves), **kwargs)
-        functions = {}
-        for node in _graph_nodes(result.grad_fn):
-            name = type(node).__name__
-            if name in CP_FUNCTIONS:
-                functions[name] = sum(_storage_bytes(node.saved_tensors).values())
+        hooked = _function_bytes(result)
         result.backward(dout)
-        out.append({"functions": functions, "all": sum(_storage_bytes(saved).values()),
+        result = context_parallel_attention(*(x.clone() for x in leaves), **kwargs)
+        plain = _function_bytes(result)
+        result.backward(dout)
+        out.append({"functions": hooked, "plain": plain,
+                    "all": sum(_storage_bytes(saved).values()),
                     "floor": sum(floor_bytes(case).values())})
     return out
 
@@ -103,8 +116,9 @@ def saved_per_function(cases: tuple[MemoryCase, ...]) -> list[dict]:
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 def test_each_cp_function_saves_exactly_the_floor(world, fmt):
     """RingAttention (p2p, a2a, a2a+p2p) and AllGatherAttention save q, the packed K/V, the
-    returned output and the LSE: their bytes are the floor, and no other node of the graph
-    (the a2a's or the token order's functions, the packing) saves anything."""
+    returned output and the LSE: their bytes are the floor, with saved-tensor hooks active and
+    without (the output then held by the function), and no other node of the graph (the a2a's
+    or the token order's functions, the packing) saves anything."""
     cases = tuple(_case(comm, fmt) for comm in COMMS) + (
         _case("a2a", fmt, kv_heads=2),  # K/V replicated to the a2a size: a/Hkv their bytes
         _case("p2p", fmt, dim=96, dim_v=64))  # MLA head dims
@@ -112,7 +126,7 @@ def test_each_cp_function_saves_exactly_the_floor(world, fmt):
         for case, got in zip(cases, results):
             name = "AllGatherAttentionBackward" if case.comm == "all_gather" else (
                 "RingAttentionBackward")
-            assert got["functions"] == {name: got["floor"]}, (rank, case, got)
+            assert got["functions"] == got["plain"] == {name: got["floor"]}, (rank, case, got)
             assert got["all"] == got["floor"], (rank, case, got)
 
 
@@ -180,11 +194,11 @@ def test_kept_and_peak_within_the_targets(world):
     rank's tokens: kept <= 1.02x the floor; bshd's peak within PEAK (all_gather: of the flash
     call's peak plus the gathered K/V and their gradients; with GQA too, where the block's dq
     beside the accumulator is most of the rest: the local block's dq is the accumulator, and
-    a later block of more than half the rows runs in halves); thd's within THD_OVER_BSHD of
-    bshd's."""
+    a later block of more than half the rows runs in halves, at S 4096: blocks large enough
+    for halves, functions.HALVE_ELEMENTS); thd's within THD_OVER_BSHD of bshd's."""
     cases = tuple(_case(comm, fmt) for comm in COMMS for fmt in ("bshd", "thd")) + tuple(
         _case(comm, "bshd", cp=2) for comm in ("p2p", "a2a", "all_gather")) + tuple(
-        _case("all_gather", "bshd", cp=cp, kv_heads=2) for cp in (2, 4))
+        _case("all_gather", "bshd", cp=cp, kv_heads=2, seq=4096) for cp in (2, 4))
     per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
     for rank, results in enumerate(per_rank):
         peaks: dict[tuple[str, str, int], float] = {}
@@ -204,6 +218,83 @@ def test_kept_and_peak_within_the_targets(world):
         for comm in COMMS:
             assert peaks[comm, "thd", 4] <= THD_OVER_BSHD * peaks[comm, "bshd", 4], (
                 rank, comm, peaks)
+
+
+def peaks_with_and_without_hooks(cases: tuple[MemoryCase, ...]) -> list[dict]:
+    """Per case on this rank: the peak of a step as a model runs it (measure_step), with
+    pass-through saved-tensor hooks active (the output then saved as usual) and without (the
+    function holds the output and lets go of it in its backward), and the output's bytes."""
+    from megatron_hcp.attention.reference.memory import measure_step
+
+    cache: dict = {}
+    out = []
+    for case in cases:
+        leaves, dout, kwargs = case_step(case, bare_cp_groups, cache)
+
+        def step(*qkv: torch.Tensor, kwargs=kwargs) -> torch.Tensor:
+            return context_parallel_attention(*qkv, **kwargs)
+
+        step(*leaves).backward(dout)  # warm-up
+        plain = measure_step(step, leaves, dout)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            hooked = measure_step(step, leaves, dout)
+        out.append({"plain": plain.peak, "hooked": hooked.peak,
+                    "out": floor_bytes(case)["out"]})
+    return out
+
+
+def test_the_output_is_let_go_once_moved_back(world):
+    """Where the output leaves the attention in another layout (a2a+p2p: the all-to-all back;
+    thd: the packed halves' token order), the backward moves it back and lets go of the
+    returned one (reorder.HeldOutput), against the output saved until the backward ends (as
+    under saved-tensor hooks, which must see it): a2a+p2p's peak is an output lower; thd's is
+    lower (the moved-back output replaces the returned one, and its blocks read views of it,
+    not gathered rows)."""
+    cases = (_case("a2a+p2p", "bshd", seq=2048), _case("p2p", "thd", seq=2048))
+    for rank, results in enumerate(world.run(peaks_with_and_without_hooks, cases)):
+        a2a, thd = results
+        assert a2a["plain"] <= a2a["hooked"] - a2a["out"], (rank, a2a)
+        assert thd["plain"] < thd["hooked"], (rank, thd)
+
+
+def held_output_uses(case: MemoryCase) -> dict:
+    """On this rank: a step's gradients with the graph kept for a second backward (each
+    backward's against one step's), and the errors of a backward after an in-place change
+    of the output and of a second backward of a freed graph."""
+    leaves, dout, kwargs = case_step(case, bare_cp_groups, {})
+    context_parallel_attention(*leaves, **kwargs).backward(dout)
+    once = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    result = context_parallel_attention(*leaves, **kwargs)
+    result.backward(dout, retain_graph=True)
+    result.backward(dout)
+    twice = max(float((x.grad - 2 * g).abs().max()) for x, g in zip(leaves, once))
+    errors = []
+    for change in (True, False):
+        result = context_parallel_attention(*leaves, **kwargs)
+        if change:
+            result.detach().mul_(2)  # (autograd refuses it on the view itself)
+        else:
+            result.backward(dout)
+        try:
+            result.backward(dout)
+        except RuntimeError as err:
+            errors.append(str(err))
+    dist.barrier()
+    return {"twice": twice, "errors": errors}
+
+
+def test_a_held_output_is_kept_for_a_kept_graph_and_checked(world):
+    """A function holding its output (a2a+p2p) runs a second backward where the graph is
+    kept (retain_graph: the same gradients again), and refuses a backward after the output was
+    changed in place (torch refuses it first: the output is a view of the function's) and a
+    second backward of a freed graph, naming the fix - as autograd does for a saved tensor."""
+    for rank, got in enumerate(world.run(held_output_uses, _case("a2a+p2p", "bshd", seq=256))):
+        assert got["twice"] <= 1e-5, (rank, got)
+        changed, again = got["errors"]
+        assert "modified inplace" in changed or "modified in place" in changed, (rank, changed)
+        assert "retain_graph=True" in again, (rank, again)
 
 
 def test_thd_within_a_tenth_of_bshd_in_row_chunks(world):
@@ -250,6 +341,40 @@ def oracle_cases_in_row_chunks(names: tuple[str, ...]) -> list:
         return [run_cases(named[name]) for name in names]
     finally:
         kernels.CHUNK_ELEMENTS, kernels.MASK_ELEMENTS, kernels.MASK_SHARE = saved
+
+
+def oracle_cases_in_halves(names: tuple[str, ...]) -> list:
+    """The named oracle cases of test_cp_attention with every block that may run its backward
+    in halves (functions._halves) doing so, whatever its size, on this rank."""
+    from megatron_hcp.attention.reference import functions
+
+    from .test_cp_attention import all_oracle_cases, run_cases
+
+    saved = functions.HALVE_ELEMENTS
+    functions.HALVE_ELEMENTS = 1
+    try:
+        named = all_oracle_cases()
+        return [run_cases(named[name]) for name in names]
+    finally:
+        functions.HALVE_ELEMENTS = saved
+
+
+def test_blocks_in_halves_are_exact(world):
+    """A block whose backward runs in two halves - of its columns where dK/dV are its largest
+    gradient (MHA's later rows on the ring and the all-gather), of its rows where dq is (GQA
+    on the all-gather) - gives the oracle's gradients: every comm type and layout, causal and
+    full, MHA and GQA, MLA head dims and the softmax offset, forced to halve at any size."""
+    from .test_cp_attention import TOL, all_oracle_cases
+
+    names = tuple(f"{at}matrix/{comm}/bshd" for comm in COMMS
+                  for at in ("", "contiguous/")) + tuple(
+        f"{kind}/{comm}" for comm in ("p2p", "all_gather") for kind in ("mla", "offset"))
+    named = all_oracle_cases()
+    for rank, per_name in enumerate(world.run(oracle_cases_in_halves, names)):
+        for name, results in zip(names, per_name):
+            for case, errors in zip(named[name], results):
+                bad = {k: e for k, e in errors.items() if not e <= TOL[case[5]]}
+                assert not bad, (rank, name, case, bad)
 
 
 def test_blocks_in_row_chunks_are_exact(world):
