@@ -408,11 +408,12 @@ def _attention(q, k, v, cp_comm_type, groups, causal, qkv_format, cu_seqlens_q, 
     kvh = pack_kv(kh, vh)
     order = OutputOrder()
     if a > 1:
-        if kvh.shape[1] % a:  # replicate KV heads so every a2a rank gets the one it needs
-            kvh = kvh.repeat_interleave(a // kvh.shape[1], dim=1)
+        # KV heads replicated where the a2a is wider, so every a2a rank gets the one it needs
+        # (in the all-to-all's send buffer: no replicated copy beside it)
+        reps = a // kvh.shape[1] if kvh.shape[1] % a else 1
         perm, inv = _a2a_permutations(layout, a, reorder)
         qh = UlyssesAllToAll.apply(qh, a2a_group, perm, inv, True)
-        kvh = UlyssesAllToAll.apply(kvh, a2a_group, perm, inv, False)
+        kvh = UlyssesAllToAll.apply(kvh, a2a_group, perm, inv, False, reps)
         order = OutputOrder("a2a", perm, inv, a2a_group)
         layout = layout.at(p, flat // a)
         if sink is not None:  # after the a2a this rank holds the heads of its a2a index

@@ -46,14 +46,21 @@ def split_kv(kv: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :dim], kv[..., dim:]
 
 
-def seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor, heads_inner: bool = True
-                 ) -> torch.Tensor:
-    """[B, H, S, D] -> [B, H/a, a*S, D]: scatter heads, gather the a2a group's sequence, tokens
-    in the order ``perm`` of the gathered ones (source-major). On the wire a rank's part is
-    [S, B, H/a, D]: one copy in, one gather out."""
+def seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor, heads_inner: bool = True,
+                 reps: int = 1) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H*reps/a, a*S, D]: scatter heads, gather the a2a group's sequence,
+    tokens in the order ``perm`` of the gathered ones (source-major). ``reps``: each head
+    taken ``reps`` times in a row (KV heads replicated for an a2a wider than them) as the
+    send buffer is written - no replicated copy of ``x`` beside it. On the wire a rank's part
+    is [S, B, H*reps/a, D]: one copy in, one gather out."""
     a = dist.get_world_size(group)
     b, h, s, d = x.shape
-    send = x.unflatten(1, (a, h // a)).permute(1, 3, 0, 2, 4).contiguous()  # [a, s, b, h/a, d]
+    if reps > 1:  # one replica a rank (h * reps == a): [h, reps, s, b, d] is [a, s, b, 1, d]
+        send = x.unsqueeze(2).expand(b, h, reps, s, d).permute(1, 2, 3, 0, 4).contiguous()
+        h *= reps
+        send = send.view(a, s, b, h // a, d)
+    else:
+        send = x.unflatten(1, (a, h // a)).permute(1, 3, 0, 2, 4).contiguous()  # [a,s,b,h/a,d]
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send, group)
     comm.release(send, x)
@@ -66,13 +73,17 @@ def seq_to_heads(x: torch.Tensor, group, perm: torch.Tensor, heads_inner: bool =
     return out
 
 
-def heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group, inv_perm: torch.Tensor, consume: bool = False
+                 ) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: [B, H/a, a*S, D] -> [B, H, S, D], heads inside the
-    rows. One gather in (into the wire layout), one copy out."""
+    rows. One gather in (into the wire layout), one copy out. ``consume``: ``x`` is this
+    call's to free (:func:`~.comm.release`) once gathered - the caller never reads it again."""
     a = dist.get_world_size(group)
     b, hl, sa, d = x.shape
     s = sa // a
     send = x.permute(2, 0, 1, 3).index_select(0, inv_perm)  # [a*s, b, hl, d]: [a, s, ...]
+    if consume:
+        comm.release(x)
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send, group)
     comm.release(send)
@@ -92,18 +103,22 @@ def tokens_in_order(x: torch.Tensor, perm: torch.Tensor, heads_inner: bool = Tru
 
 
 class UlyssesAllToAll(torch.autograd.Function):
-    """:func:`seq_to_heads` (``perm``; heads inside the rows or contiguous); the backward
-    takes the gradient back with :func:`heads_to_seq` (``inv_perm``). Saves nothing."""
+    """:func:`seq_to_heads` (``perm``; heads inside the rows or contiguous; ``reps``: heads
+    replicated); the backward takes the gradient back with :func:`heads_to_seq`
+    (``inv_perm``), the replicas' summed. Saves nothing."""
 
     @staticmethod
-    def forward(ctx, x, group, perm, inv_perm, heads_inner: bool = True):
-        ctx.meta = (group, inv_perm)
-        return seq_to_heads(x, group, perm, heads_inner)
+    def forward(ctx, x, group, perm, inv_perm, heads_inner: bool = True, reps: int = 1):
+        ctx.meta = (group, inv_perm, reps)
+        return seq_to_heads(x, group, perm, heads_inner, reps)
 
     @staticmethod
     def backward(ctx, grad):
-        group, inv_perm = ctx.meta
-        return heads_to_seq(grad, group, inv_perm), None, None, None, None
+        group, inv_perm, reps = ctx.meta
+        grad = heads_to_seq(grad, group, inv_perm)
+        if reps > 1:  # the replicas' gradients summed
+            grad = grad.unflatten(1, (-1, reps)).sum(2)
+        return grad, None, None, None, None, None
 
 
 class TokenOrder(torch.autograd.Function):
@@ -195,9 +210,10 @@ class OutputOrder:
         return self.kind != "none"
 
     def leave(self, out: torch.Tensor) -> torch.Tensor:
-        """The output as the caller gets it."""
+        """The output as the caller gets it; ``out`` (the attention's own, read by nothing
+        else) is freed on the way where that lowers the peak (the a2a back)."""
         if self.kind == "a2a":
-            return heads_to_seq(out, self.group, self.inv)
+            return heads_to_seq(out, self.group, self.inv, consume=True)
         if self.kind == "tokens":
             return tokens_in_order(out, self.perm)
         return out

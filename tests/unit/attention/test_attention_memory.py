@@ -195,10 +195,13 @@ def test_kept_and_peak_within_the_targets(world):
     call's peak plus the gathered K/V and their gradients; with GQA too, where the block's dq
     beside the accumulator is most of the rest: the local block's dq is the accumulator, and
     a later block of more than half the rows runs in halves, at S 4096: blocks large enough
-    for halves, functions.HALVE_ELEMENTS); thd's within THD_OVER_BSHD of bshd's."""
+    for halves, functions.HALVE_ELEMENTS); a2a with twice as many ranks as KV heads too (the
+    replicas written straight into the all-to-all's buffer, the attention's output freed as
+    it leaves); thd's within THD_OVER_BSHD of bshd's."""
     cases = tuple(_case(comm, fmt) for comm in COMMS for fmt in ("bshd", "thd")) + tuple(
         _case(comm, "bshd", cp=2) for comm in ("p2p", "a2a", "all_gather")) + tuple(
-        _case("all_gather", "bshd", cp=cp, kv_heads=2, seq=4096) for cp in (2, 4))
+        _case("all_gather", "bshd", cp=cp, kv_heads=2, seq=4096) for cp in (2, 4)) + (
+        _case("a2a", "bshd", kv_heads=2),)  # KV heads replicated (a2a 4 > 2 KV heads)
     per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
     for rank, results in enumerate(per_rank):
         peaks: dict[tuple[str, str, int], float] = {}
