@@ -512,25 +512,31 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     :data:`HALVE_ELEMENTS` or more: half its rows each where dq is its largest gradient
     (GQA: more query heads than KV heads) and it has more than half of q's rows; half its
     columns each where dK/dV are (MHA: the later rows of a ring or all-gather block, which see
-    every column) and it has more than half of the K/V's columns. Else ``(block,)``: where
-    dq and dK/dV are as large (a ring's block of every row and half the columns), and
-    causal, masked, packed and varlen blocks, which do not split without a mask."""
+    every column) and it has more than half of the K/V's columns; a masked block (packed
+    sequences, a window) with its mask's rows or columns, where it runs whole (not in row
+    chunks, which bound its parts already). Else ``(block,)``: where dq and dK/dV are as
+    large (a ring's block of every row and half the columns), and causal, packed and varlen
+    blocks."""
     n, m = q.shape[2], k.shape[2]
     rows, cols = _count(block.rows, n), _count(block.cols, m)
     b = q.shape[0]
     dq = b * rows * q.shape[1] * q.shape[-1]
     dkv = b * cols * k.shape[1] * (k.shape[-1] + v.shape[-1])
-    if (block.causal or block.mask is not None or block.pieces is not None
-            or block.calls is not None or max(dq, dkv) < 2 * HALVE_ELEMENTS):
+    if (block.causal or block.pieces is not None or block.calls is not None
+            or max(dq, dkv) < 2 * HALVE_ELEMENTS
+            or (block.mask is not None and _row_parts(block, q, v, None)[0] is not block)):
         return (block,)
+    mask = block.mask
     if dq > dkv and 2 * rows > n:
         half = rows // 2
-        return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False, None,
+        return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False,
+                           None if mask is None else mask.query_rows(slice(lo, hi)),
                            row_run=_sub_run(block.row_run, lo, hi), col_run=block.col_run)
                      for lo, hi in ((0, half), (half, rows)))
     if dkv > dq and 2 * cols > m:
         half = cols // 2
-        return tuple(Block(block.rows, _sub(block.cols, lo, hi, m), False, None,
+        return tuple(Block(block.rows, _sub(block.cols, lo, hi, m), False,
+                           None if mask is None else mask.key_cols(slice(lo, hi)),
                            row_run=block.row_run, col_run=_sub_run(block.col_run, lo, hi))
                      for lo, hi in ((0, half), (half, cols)))
     return (block,)

@@ -365,13 +365,15 @@ def oracle_cases_in_halves(names: tuple[str, ...]) -> list:
 def test_blocks_in_halves_are_exact(world):
     """A block whose backward runs in two halves - of its columns where dK/dV are its largest
     gradient (MHA's later rows on the ring and the all-gather), of its rows where dq is (GQA
-    on the all-gather) - gives the oracle's gradients: every comm type and layout, causal and
-    full, MHA and GQA, MLA head dims and the softmax offset, forced to halve at any size."""
+    on the all-gather), masked blocks with their masks' halves - gives the oracle's gradients:
+    every comm type and layout, bshd and thd, causal and full, MHA and GQA, MLA head dims,
+    windows and the softmax offset, forced to halve at any size."""
     from .test_cp_attention import TOL, all_oracle_cases
 
-    names = tuple(f"{at}matrix/{comm}/bshd" for comm in COMMS
+    names = tuple(f"{at}matrix/{comm}/{fmt}" for comm in COMMS for fmt in ("bshd", "thd")
                   for at in ("", "contiguous/")) + tuple(
-        f"{kind}/{comm}" for comm in ("p2p", "all_gather") for kind in ("mla", "offset"))
+        f"{kind}/{comm}" for comm in ("p2p", "all_gather")
+        for kind in ("mla", "offset", "window"))
     named = all_oracle_cases()
     for rank, per_name in enumerate(world.run(oracle_cases_in_halves, names)):
         for name, results in zip(names, per_name):
