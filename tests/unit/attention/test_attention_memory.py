@@ -368,14 +368,20 @@ def test_blocks_in_halves_are_exact(world):
     on the all-gather), masked blocks with their masks' halves - gives the oracle's gradients:
     every comm type and layout, bshd and thd, causal and full, MHA and GQA, MLA head dims,
     windows and the softmax offset, forced to halve at any size."""
-    from .test_cp_attention import TOL, all_oracle_cases
-
     names = tuple(f"{at}matrix/{comm}/{fmt}" for comm in COMMS for fmt in ("bshd", "thd")
                   for at in ("", "contiguous/")) + tuple(
         f"{kind}/{comm}" for comm in ("p2p", "all_gather")
         for kind in ("mla", "offset", "window"))
+    _assert_oracle(world, oracle_cases_in_halves, names)
+
+
+def _assert_oracle(world, runner, names: tuple[str, ...]) -> None:
+    """Every rank's errors of the named oracle cases, run by ``runner``, within the oracle's
+    tolerances (test_cp_attention.TOL)."""
+    from .test_cp_attention import TOL, all_oracle_cases
+
     named = all_oracle_cases()
-    for rank, per_name in enumerate(world.run(oracle_cases_in_halves, names)):
+    for rank, per_name in enumerate(world.run(runner, names)):
         for name, results in zip(names, per_name):
             for case, errors in zip(named[name], results):
                 bad = {k: e for k, e in errors.items() if not e <= TOL[case[5]]}
@@ -387,13 +393,6 @@ def test_blocks_in_row_chunks_are_exact(world):
     block of its own (merged, its gradients added as it comes): packed sequences, windows and
     MLA head dims (the math path on the CPU) of every comm type, forced into chunks of one
     row, match the oracle as whole blocks do (fp64 1e-10, fp32 1e-5)."""
-    from .test_cp_attention import TOL, all_oracle_cases
-
     names = tuple(f"{kind}/{comm}" for comm in COMMS for kind in ("mla", "window")) + tuple(
         f"matrix/{comm}/thd" for comm in COMMS)
-    named = all_oracle_cases()
-    for rank, per_name in enumerate(world.run(oracle_cases_in_row_chunks, names)):
-        for name, results in zip(names, per_name):
-            for case, errors in zip(named[name], results):
-                bad = {k: e for k, e in errors.items() if not e <= TOL[case[5]]}
-                assert not bad, (rank, name, case, bad)
+    _assert_oracle(world, oracle_cases_in_row_chunks, names)
