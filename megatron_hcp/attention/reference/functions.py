@@ -162,10 +162,11 @@ def _back(ctx, x: torch.Tensor) -> torch.Tensor | RowsInOrder:
 
 def _save(ctx, out: torch.Tensor, *tensors) -> None:
     """Save ``tensors`` for the backward, and the returned ``out``: with them where it is the
-    attention's own output or saved-tensor hooks are active, else in a
-    :class:`~.reorder.HeldOutput` (its backward lets go of it once moved back: not alive in
-    both layouts at the peak)."""
-    held = ctx.order.moves and HeldOutput.applies()
+    attention's own output, no graph is recorded (no_grad, inference mode) or saved-tensor
+    hooks are active, else in a :class:`~.reorder.HeldOutput` (its backward lets go of it
+    once moved back: not alive in both layouts at the peak)."""
+    held = (ctx.order.moves and any(ctx.needs_input_grad) and not out.is_inference()
+            and HeldOutput.applies())
     ctx.held = HeldOutput(out) if held else None
     ctx.save_for_backward(None if held else out, *tensors)
 
@@ -366,7 +367,8 @@ def _ring_forward_step(q, msg, dim, layout: SeqLayout, src: int, block, scale, o
 def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, scale, out,
                         lse, dq, dkv, bias, dbias, varlen) -> None:
     """The gradients of the block of the K/V ``msg`` of ``src``, added into ``dq`` and
-    ``dkv`` (and ``dbias``)."""
+    ``dkv`` (and ``dbias``); a later source's block in halves (:func:`_halves`; the local
+    block comes first and whole: its dq may be the accumulator)."""
     kj, vj = split_kv(msg, dim)
     dk, dv = split_kv(dkv, dim)
     if bias is not None:  # the bias's gradient is the whole block's
@@ -376,7 +378,7 @@ def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, s
         if gb is not None:
             _add_bias_grad(dbias, gb, where)
         return
-    for part in _halves(block, q, kj, vj):
+    for part in _halves(block, q, kj, vj) if src != layout.position else (block,):
         _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv, varlen=varlen)
 
 

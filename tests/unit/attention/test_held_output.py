@@ -36,3 +36,28 @@ def test_take_outside_a_backward_keeps_it():
     out = torch.randn(2, 2)
     held = HeldOutput(out)
     assert held.take() is held.take()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_forward_without_a_graph_saves_as_before(mode):
+    """Without a graph (no_grad; inference mode, whose tensors have no version counter) a
+    function whose output leaves in another order holds nothing of its own and runs."""
+    from megatron_hcp.attention.reference.functions import RingAttention
+    from megatron_hcp.attention.reference.reorder import OutputOrder, pack_kv
+    from megatron_hcp.attention.reference.seq_layout import SeqLayout
+
+    s = 16
+    layout = SeqLayout.dense(s, 1, 1, "zigzag", "cpu")
+    perm = torch.randperm(s, generator=torch.Generator().manual_seed(0))
+    order = OutputOrder("tokens", perm, torch.argsort(perm))
+    q, k, v = (torch.randn(1, 2, s, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    kv = pack_kv(k, v)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        out = RingAttention.apply(q, kv, 8, layout, None, [0], False, 0.3, None, None, None,
+                                  order)
+    q.requires_grad_()
+    want = RingAttention.apply(q, kv, 8, layout, None, [0], False, 0.3, None, None, None,
+                               order)
+    assert torch.equal(out, want.detach())
+    assert want.grad_fn.held is not None
