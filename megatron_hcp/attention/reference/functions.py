@@ -165,8 +165,7 @@ def _save(ctx, out: torch.Tensor, *tensors) -> None:
     attention's own output, no graph is recorded (no_grad, inference mode) or saved-tensor
     hooks are active, else in a :class:`~.reorder.HeldOutput` (its backward lets go of it
     once moved back: not alive in both layouts at the peak)."""
-    held = (ctx.order.moves and any(ctx.needs_input_grad) and not out.is_inference()
-            and HeldOutput.applies())
+    held = ctx.order.moves and any(ctx.needs_input_grad) and HeldOutput.applies(out)
     ctx.held = HeldOutput(out) if held else None
     ctx.save_for_backward(None if held else out, *tensors)
 
@@ -371,15 +370,13 @@ def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, s
     block comes first and whole: its dq may be the accumulator)."""
     kj, vj = split_kv(msg, dim)
     dk, dv = split_kv(dkv, dim)
-    if bias is not None:  # the bias's gradient is the whole block's
-        where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
-        gb = _backward_block(dout, q, kj, vj, out, lse, block, scale, dq, dk, dv,
+    where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
+    whole = bias is not None or src == layout.position  # a bias's gradient is the block's
+    for part in (block,) if whole else _halves(block, q, kj, vj):
+        gb = _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv,
                              _bias_block(bias, where), varlen=varlen)
         if gb is not None:
             _add_bias_grad(dbias, gb, where)
-        return
-    for part in _halves(block, q, kj, vj) if src != layout.position else (block,):
-        _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv, varlen=varlen)
 
 
 def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):

@@ -251,12 +251,13 @@ class HeldOutput:
     (``retain_graph``) keeps the output too. Only where :meth:`applies`."""
 
     @staticmethod
-    def applies() -> bool:
-        """Whether an output may be held so: not while saved-tensor hooks are active
-        (activation offloading, checkpointing), which must see every saved tensor to move or
-        drop it - there the output is saved as usual."""
+    def applies(out: torch.Tensor) -> bool:
+        """Whether ``out`` may be held so: not an inference tensor (it has no version
+        counter), and not while saved-tensor hooks are active (activation offloading,
+        checkpointing), which must see every saved tensor to move or drop it - there the
+        output is saved as usual."""
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        return top is not None and top(False) is None
+        return not out.is_inference() and top is not None and top(False) is None
 
     def __init__(self, out: torch.Tensor):
         self._out: torch.Tensor | None = out.detach()

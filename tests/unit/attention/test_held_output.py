@@ -12,11 +12,15 @@ pytestmark = pytest.mark.torch_only
 
 
 def test_applies_only_without_saved_tensor_hooks():
-    """Under saved-tensor hooks (offloading, checkpointing) the output is saved as usual."""
-    assert HeldOutput.applies()
+    """Under saved-tensor hooks (offloading, checkpointing) the output is saved as usual, and
+    so is an inference tensor (no version counter)."""
+    out = torch.randn(2, 2)
+    assert HeldOutput.applies(out)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        assert not HeldOutput.applies()
-    assert HeldOutput.applies()
+        assert not HeldOutput.applies(out)
+    assert HeldOutput.applies(out)
+    with torch.inference_mode():
+        assert not HeldOutput.applies(torch.randn(2, 2))
 
 
 def test_holds_an_alias_and_checks_its_version():
