@@ -30,8 +30,8 @@ from .kernels import block_backward, block_forward, choose_kernel
 from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 
-__all__ = ["MemoryCase", "LocalFlash", "case_step", "floor_bytes", "local_flash", "rank_memory",
-           "rank_times"]
+__all__ = ["MemoryCase", "LocalFlash", "case_step", "floor_bytes", "local_flash",
+           "rank_kernel_floor", "rank_memory", "rank_times"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ class MemoryCase:
         """The a2a size (1 without an a2a level)."""
         return {"a2a": self.cp, "a2a+p2p": 2}.get(self.comm, 1)
 
+    @property
+    def kv_reps(self) -> int:
+        """How many times the a2a level replicates each KV head (1: it is not wider than
+        the KV heads)."""
+        return max(1, self.a2a // self.kv_heads)
+
 
 def floor_bytes(case: MemoryCase) -> dict[str, int]:
     """Per rank, what the kernels read again in backward, and the output: q, k, v (K/V at
@@ -69,7 +75,7 @@ def floor_bytes(case: MemoryCase) -> dict[str, int]:
     tokens = case.seq // case.cp
     size = torch.empty((), dtype=case.dtype).element_size()
     dv = case.dim_v or case.dim
-    reps = max(1, case.a2a // case.kv_heads)
+    reps = case.kv_reps
     return {"q": tokens * case.heads * case.dim * size,
             "k": reps * tokens * case.kv_heads * case.dim * size,
             "v": reps * tokens * case.kv_heads * dv * size,
@@ -215,6 +221,35 @@ def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups
         cp = measure_step(cp_step, leaves, dout)
         flash = measure_step(flash_step, leaves, dout)
         out.append((cp, flash))
+    return out
+
+
+def rank_kernel_floor(cases: tuple[MemoryCase, ...], device: str = "cpu", *,
+                      cp_groups: CPGroups) -> list[StepMemory | None]:
+    """On every rank: for each case whose a2a level replicates KV heads
+    (:attr:`MemoryCase.kv_reps` > 1), one :class:`LocalFlash` step on the rank's q and its
+    K/V as the CP kernels read them - each KV head ``kv_reps`` times, the bytes of the
+    whole-sequence KV head an a2a rank attends with - counted as :func:`rank_memory` counts
+    its baseline (a warm-up step first); ``None`` for the other cases (their kernels read the
+    K/V of the plain flash call). An a2a wider than the KV heads cannot hold less than this
+    call's floor: it is the baseline of that a2a's peak target, as ``floor_bytes`` is of its
+    kept target."""
+    cache: dict = {}
+    out: list[StepMemory | None] = []
+    for case in cases:
+        if case.kv_reps == 1:
+            out.append(None)
+            continue
+        (q, k, v), dout, _ = case_step(case, cp_groups, cache, device)
+        leaves = [q.detach().requires_grad_()] + [
+            x.detach().repeat_interleave(case.kv_reps, dim=-2).requires_grad_() for x in (k, v)]
+
+        def flash_step(*qkv: torch.Tensor) -> torch.Tensor:
+            return local_flash(*qkv)
+
+        flash_step(*leaves).backward(dout)  # warm-up
+        gc.collect()
+        out.append(measure_step(flash_step, leaves, dout))
     return out
 
 

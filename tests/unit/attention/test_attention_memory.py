@@ -25,6 +25,7 @@ from megatron_hcp.attention.reference.memory_proxy import (
     _inputs,
     case_step,
     floor_bytes,
+    rank_kernel_floor,
     rank_memory,
 )
 from megatron_hcp.parallel_state.groups import bare_cp_groups
@@ -45,6 +46,10 @@ PEAK = {"p2p": 2.0, "a2a+p2p": 2.0, "a2a": 1.5, "all_gather": 1.1}
 # test_thd_within_a_tenth_of_bshd_in_row_chunks
 THD_OVER_BSHD = 1.10
 THD_TARGET = 1.10
+# an a2a wider than the KV heads, over one flash call on the replicated K/V (its floor):
+# measured 1.20 (bshd) and 1.28 (thd) at CP 4 over 2 and 1 KV heads (2026-11-30); one more
+# copy of the replicated K/V or of their gradients adds 0.2 of that call
+REP_PEAK = 1.32
 
 
 def _case(comm: str, fmt: str, cp: int = 4, seq: int = 1024, **fields) -> MemoryCase:
@@ -221,6 +226,30 @@ def test_kept_and_peak_within_the_targets(world):
         for comm in COMMS:
             assert peaks[comm, "thd", 4] <= THD_OVER_BSHD * peaks[comm, "bshd", 4], (
                 rank, comm, peaks)
+
+
+def test_a2a_replicating_kv_heads_within_its_floor(world):
+    """An a2a wider than the KV heads (CP 4 over 2 and over 1 KV heads: each replicated twice
+    and four times) attends with the whole sequence of a KV head on every rank: more than a
+    GQA flash call on the rank's tokens holds, by construction. Against the floor of that
+    (one flash call on the rank's q and the replicated K/V, rank_kernel_floor) it keeps
+    exactly the floor and its peak is within the a2a target - and within REP_PEAK, which a
+    second copy of the replicated K/V or of their gradients exceeds - in bshd and thd, and
+    thd within THD_OVER_BSHD of bshd."""
+    cases = tuple(_case("a2a", fmt, kv_heads=kv) for fmt in ("bshd", "thd") for kv in (2, 1))
+    per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
+    floors = world.run(rank_kernel_floor, cases, cp_groups=bare_cp_groups)
+    for rank, (results, rank_floors) in enumerate(zip(per_rank, floors)):
+        peak = {}
+        for case, (cp, plain), floor in zip(cases, results, rank_floors):
+            assert case.kv_reps == 4 // case.kv_heads and floor is not None, case
+            assert cp.kept == floor.kept == sum(floor_bytes(case).values()), (rank, case)
+            ratio = cp.peak / floor.peak
+            assert ratio <= min(PEAK["a2a"], REP_PEAK), (rank, case, ratio, cp, floor)
+            assert floor.peak > plain.peak, (rank, case, floor, plain)  # K/V replicated
+            peak[case.fmt, case.kv_heads] = ratio
+        for kv in (2, 1):
+            assert peak["thd", kv] <= THD_OVER_BSHD * peak["bshd", kv], (rank, peak)
 
 
 def peaks_with_and_without_hooks(cases: tuple[MemoryCase, ...]) -> list[dict]:
