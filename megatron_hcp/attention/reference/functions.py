@@ -24,7 +24,7 @@ forward returns does not depend on how fast its peers are.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -182,18 +182,26 @@ def _saved(ctx, dout: torch.Tensor) -> tuple:
     return _back(ctx, dout), out, tensors
 
 
-def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Block]:
-    """``block`` as the blocks of the row chunks it runs in (:func:`~.kernels.row_chunks`:
-    where its kernel would build a mask or scores of rows x cols larger than its share of
-    q), each with its rows, its mask's rows and a causal diagonal folded into a mask offset
-    by the chunk's start; else ``[block]``."""
+def _chunks(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[slice] | None:
+    """The row chunks ``block`` runs in (:func:`~.kernels.row_chunks`: where its kernel would
+    build a mask or scores of rows x cols larger than its share of q), or ``None``."""
     n, m = q.shape[2], v.shape[2]
-    rows, cols = _count(block.rows, n), _count(block.cols, m)
-    parts = row_chunks(q, v, rows, cols, causal=block.causal, masked=block.mask is not None,
-                       biased=bias is not None)
+    return row_chunks(q, v, _count(block.rows, n), _count(block.cols, m), causal=block.causal,
+                      masked=block.mask is not None, biased=bias is not None)
+
+
+def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> Iterator[Block]:
+    """``block`` as the blocks of the row chunks it runs in (:func:`_chunks`), each with its
+    rows, its mask's rows and a causal diagonal folded into a mask offset by the chunk's
+    start; else ``block`` alone. Made as the caller asks for them: a chunk's mask exists
+    while its chunk runs, not all the chunks' at once (a causal diagonal's chunk masks add
+    up to half its rows x cols)."""
+    n, m = q.shape[2], v.shape[2]
+    cols = _count(block.cols, m)
+    parts = _chunks(block, q, v, bias)
     if parts is None:
-        return [block]
-    out = []
+        yield block
+        return
     for part in parts:
         part_cols, col_run = block.cols, block.col_run
         if block.mask is not None:
@@ -211,10 +219,9 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[Blo
                               device=q.device).tril(part.start)
         else:
             mask = None
-        out.append(Block(_sub(block.rows, part.start, part.stop, n), part_cols, False, mask,
-                         row_run=_sub_run(block.row_run, part.start, part.stop),
-                         col_run=col_run))
-    return out
+        yield Block(_sub(block.rows, part.start, part.stop, n), part_cols, False, mask,
+                    row_run=_sub_run(block.row_run, part.start, part.stop), col_run=col_run)
+        del mask
 
 
 def _sub(sel, lo: int, hi: int, n: int):
@@ -390,7 +397,7 @@ def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
             or range(s)[block.rows] != range(s) or range(s)[block.cols] != range(s)):
         return None
     k, v = split_kv(kv, dim)
-    if _row_parts(block, q, v, None)[0] is not block:  # it runs in row chunks
+    if _chunks(block, q, v, None) is not None:  # it runs in row chunks
         return None
     grads = block_backward(_rows(dout, whole), take(q, whole), k, v, _rows(out, whole),
                            take(lse, whole), scale=scale, causal=block.causal,
@@ -523,7 +530,7 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dkv = b * cols * k.shape[1] * (k.shape[-1] + v.shape[-1])
     if (block.causal or block.pieces is not None or block.calls is not None
             or max(dq, dkv) < 2 * HALVE_ELEMENTS
-            or (block.mask is not None and _row_parts(block, q, v, None)[0] is not block)):
+            or (block.mask is not None and _chunks(block, q, v, None) is not None)):
         return (block,)
     mask = block.mask
     if dq > dkv and 2 * rows > n:
