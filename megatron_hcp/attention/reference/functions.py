@@ -516,13 +516,13 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """A dense block as two blocks, the same work in two kernel calls (and one more add of
     the whole gradient), where that halves its largest gradient beside the accumulators, by
     :data:`HALVE_ELEMENTS` or more: half its rows each where dq is its largest gradient
-    (GQA: more query heads than KV heads) and it has more than half of q's rows; half its
-    columns each where dK/dV are (MHA: the later rows of a ring or all-gather block, which see
-    every column) and it has more than half of the K/V's columns; a masked block (packed
-    sequences, a window) with its mask's rows or columns, where it runs whole (not in row
-    chunks, which bound its parts already). Else ``(block,)``: where dq and dK/dV are as
-    large (a ring's block of every row and half the columns), and causal, packed and varlen
-    blocks."""
+    (GQA: more query heads than KV heads) or as large as dK/dV (MHA: a ring's block of every
+    row and half the columns - a half holds half its dq beside its dK/dV, 3/4 of the whole's
+    gradients) and it has more than half of q's rows; half its columns each where dK/dV are
+    the largest (MHA: the later rows of a ring or all-gather block, which see every column)
+    and it has more than half of the K/V's columns; a masked block (packed sequences, a
+    window) with its mask's rows or columns, where it runs whole (not in row chunks, which
+    bound its parts already). Else ``(block,)``: causal, packed and varlen blocks."""
     n, m = q.shape[2], k.shape[2]
     rows, cols = _count(block.rows, n), _count(block.cols, m)
     b = q.shape[0]
@@ -533,7 +533,7 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             or (block.mask is not None and _chunks(block, q, v, None) is not None)):
         return (block,)
     mask = block.mask
-    if dq > dkv and 2 * rows > n:
+    if dq >= dkv and 2 * rows > n:
         half = rows // 2
         return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False,
                            None if mask is None else mask.query_rows(slice(lo, hi)),
