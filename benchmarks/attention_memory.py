@@ -19,7 +19,7 @@ column); peak <= 2.0x for p2p and a2a+p2p, <= 1.5x for a2a; all_gather peak <= 1
 flash call's peak plus the gathered K/V and their gradients (``ag floor``); thd within 10 % of
 bshd. Where an a2a level replicates KV heads, its peak is held against the same floor: one
 flash call on the rank's q and the K/V its kernels read, each KV head ``a / Hkv`` times
-(``rep``: :func:`~megatron_hcp.attention.reference.memory_proxy.rank_kernel_floor`); the
+(``rep``: the floor step of :func:`~megatron_hcp.attention.reference.memory_proxy.rank_memory`); the
 ratio to the plain GQA call stays in ``peak``.
 
 ``.venv/bin/python benchmarks/attention_memory.py [--seq 4096] [--cp 2 4 8] [--comms ...]
@@ -42,7 +42,6 @@ from megatron_hcp.attention.reference.kernel_support import acc_dtype  # noqa: E
 from megatron_hcp.attention.reference.memory_proxy import (  # noqa: E402
     MemoryCase,
     floor_bytes,
-    rank_kernel_floor,
     rank_memory,
 )
 from megatron_hcp.harness.local_world import LocalWorld  # noqa: E402
@@ -86,23 +85,22 @@ def ag_floor(case: MemoryCase, flash_peak: int) -> int:
     return flash_peak + kv + grad
 
 
-def summarize(case: MemoryCase, per_rank, kernel_floors=None) -> dict:
-    """Ratios of one case over its ranks (the largest, and the smallest kept);
-    ``kernel_floors``: each rank's :func:`rank_kernel_floor` step of the case (or ``None``)."""
-    kept = [cp.kept / flash.kept for cp, flash in per_rank]
-    peak = [cp.peak / flash.peak for cp, flash in per_rank]
+def summarize(case: MemoryCase, per_rank) -> dict:
+    """Ratios of one case over its ranks (the largest, and the smallest kept); ``per_rank``:
+    each rank's (CP step, flash step, floor step or ``None``) of the case (:func:`rank_memory`)."""
+    kept = [cp.kept / flash.kept for cp, flash, _ in per_rank]
+    peak = [cp.peak / flash.peak for cp, flash, _ in per_rank]
     floor = sum(floor_bytes(case).values())
     row = {"case": case.name, "cp": case.cp, "comm": case.comm, "fmt": case.fmt,
            "seq": case.seq, "kept": max(kept), "kept_min": min(kept), "peak": max(peak),
-           "kept_over_floor": max(cp.kept / floor for cp, _ in per_rank),
-           "kept_bytes": max(cp.kept for cp, _ in per_rank),
-           "peak_bytes": max(cp.peak for cp, _ in per_rank),
+           "kept_over_floor": max(cp.kept / floor for cp, _, _ in per_rank),
+           "kept_bytes": max(cp.kept for cp, _, _ in per_rank),
+           "peak_bytes": max(cp.peak for cp, _, _ in per_rank),
            "flash_kept_bytes": per_rank[0][1].kept, "flash_peak_bytes": per_rank[0][1].peak}
     if case.comm == "all_gather":
-        row["ag"] = max(cp.peak / ag_floor(case, flash.peak) for cp, flash in per_rank)
-    if kernel_floors and kernel_floors[0] is not None:
-        row["rep"] = max(cp.peak / floor.peak
-                         for (cp, _), floor in zip(per_rank, kernel_floors))
+        row["ag"] = max(cp.peak / ag_floor(case, flash.peak) for cp, flash, _ in per_rank)
+    if per_rank[0][2] is not None:  # KV heads replicated: the peak over its floor's
+        row["rep"] = max(cp.peak / rep.peak for cp, _, rep in per_rank)
     return row
 
 
@@ -160,11 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         with LocalWorld(cp, timeout_s=3000) as world:
             per_rank = world.run(rank_memory, tuple(cases), cp_groups=bare_cp_groups,
                                  timeout_s=3000)
-            floors = world.run(rank_kernel_floor, tuple(cases), cp_groups=bare_cp_groups,
-                               timeout_s=3000)
         for i, case in enumerate(cases):
-            rows.append(summarize(case, [ranks[i] for ranks in per_rank],
-                                  [ranks[i] for ranks in floors]))
+            rows.append(summarize(case, [ranks[i] for ranks in per_rank]))
         print(f"# CP {cp}: {len(cases)} cases in {time.monotonic() - start:.0f} s",
               file=sys.stderr)
     print_table(rows)

@@ -30,8 +30,8 @@ from .kernels import block_backward, block_forward, choose_kernel
 from .launch_proxy import CPGroups, case_groups
 from .memory import StepMemory, measure_step
 
-__all__ = ["MemoryCase", "LocalFlash", "case_step", "floor_bytes", "local_flash",
-           "rank_kernel_floor", "rank_memory", "rank_times"]
+__all__ = ["MemoryCase", "LocalFlash", "case_step", "floor_bytes", "local_flash", "rank_memory",
+           "rank_times"]
 
 
 @dataclass(frozen=True)
@@ -194,11 +194,16 @@ def case_step(case: MemoryCase, cp_groups: CPGroups, cache: dict, device: str = 
 
 
 def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups: CPGroups
-                ) -> list[tuple[StepMemory, StepMemory]]:
-    """On every rank of the world: (CP step, :class:`LocalFlash` step) of each case, counted
-    by :func:`~.memory.measure_step` after a warm-up step, on the groups ``cp_groups`` makes
-    (:func:`~.launch_proxy.case_groups`). Cases whose CP size does not divide
-    the world are refused."""
+                ) -> list[tuple[StepMemory, StepMemory, StepMemory | None]]:
+    """On every rank of the world, for each case: (CP step, :class:`LocalFlash` step, the
+    floor's step), counted by :func:`~.memory.measure_step` after a warm-up step, on the
+    groups ``cp_groups`` makes (:func:`~.launch_proxy.case_groups`). The floor's step is
+    ``None`` unless the case's a2a level replicates KV heads (:attr:`MemoryCase.kv_reps` >
+    1): then one :class:`LocalFlash` step on the rank's q and its K/V as the CP kernels read
+    them - each KV head ``kv_reps`` times, the bytes of the whole-sequence KV head an a2a
+    rank attends with. Such an a2a cannot hold less than that call: it is the baseline of its
+    peak target, as ``floor_bytes`` is of its kept target. Cases whose CP size does not
+    divide the world are refused."""
     world = dist.get_world_size()
     for case in cases:
         if world % case.cp:
@@ -212,45 +217,26 @@ def rank_memory(cases: tuple[MemoryCase, ...], device: str = "cpu", *, cp_groups
         def cp_step(*qkv: torch.Tensor, kwargs=kwargs) -> torch.Tensor:
             return context_parallel_attention(*qkv, **kwargs)
 
-        def flash_step(*qkv: torch.Tensor) -> torch.Tensor:
-            return local_flash(*qkv)
-
         cp_step(*leaves).backward(dout)  # warm-up: per-packing metadata, permutations
-        flash_step(*leaves).backward(dout)
+        local_flash(*leaves).backward(dout)
         gc.collect()
         cp = measure_step(cp_step, leaves, dout)
-        flash = measure_step(flash_step, leaves, dout)
-        out.append((cp, flash))
+        flash = measure_step(local_flash, leaves, dout)
+        out.append((cp, flash, _floor_step(case, leaves, dout)))
     return out
 
 
-def rank_kernel_floor(cases: tuple[MemoryCase, ...], device: str = "cpu", *,
-                      cp_groups: CPGroups) -> list[StepMemory | None]:
-    """On every rank: for each case whose a2a level replicates KV heads
-    (:attr:`MemoryCase.kv_reps` > 1), one :class:`LocalFlash` step on the rank's q and its
-    K/V as the CP kernels read them - each KV head ``kv_reps`` times, the bytes of the
-    whole-sequence KV head an a2a rank attends with - counted as :func:`rank_memory` counts
-    its baseline (a warm-up step first); ``None`` for the other cases (their kernels read the
-    K/V of the plain flash call). An a2a wider than the KV heads cannot hold less than this
-    call's floor: it is the baseline of that a2a's peak target, as ``floor_bytes`` is of its
-    kept target."""
-    cache: dict = {}
-    out: list[StepMemory | None] = []
-    for case in cases:
-        if case.kv_reps == 1:
-            out.append(None)
-            continue
-        (q, k, v), dout, _ = case_step(case, cp_groups, cache, device)
-        leaves = [q.detach().requires_grad_()] + [
-            x.detach().repeat_interleave(case.kv_reps, dim=-2).requires_grad_() for x in (k, v)]
-
-        def flash_step(*qkv: torch.Tensor) -> torch.Tensor:
-            return local_flash(*qkv)
-
-        flash_step(*leaves).backward(dout)  # warm-up
-        gc.collect()
-        out.append(measure_step(flash_step, leaves, dout))
-    return out
+def _floor_step(case: MemoryCase, leaves: list[torch.Tensor], dout: torch.Tensor
+                ) -> StepMemory | None:
+    """:func:`rank_memory`'s floor step of ``case`` on this rank's q, k, v ``leaves``."""
+    if case.kv_reps == 1:
+        return None
+    q, k, v = leaves
+    replicated = [q.detach().requires_grad_()] + [
+        x.detach().repeat_interleave(case.kv_reps, dim=-2).requires_grad_() for x in (k, v)]
+    local_flash(*replicated).backward(dout)  # warm-up
+    gc.collect()
+    return measure_step(local_flash, replicated, dout)
 
 
 def rank_times(cases: tuple[MemoryCase, ...], repeats: int = 3, *, cp_groups: CPGroups

@@ -25,7 +25,6 @@ from megatron_hcp.attention.reference.memory_proxy import (
     _inputs,
     case_step,
     floor_bytes,
-    rank_kernel_floor,
     rank_memory,
 )
 from megatron_hcp.parallel_state.groups import bare_cp_groups
@@ -210,7 +209,7 @@ def test_kept_and_peak_within_the_targets(world):
     per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
     for rank, results in enumerate(per_rank):
         peaks: dict[tuple[str, str, int], float] = {}
-        for case, (cp, flash) in zip(cases, results):
+        for case, (cp, flash, _) in zip(cases, results):
             floor = floor_bytes(case)
             assert cp.kept <= KEPT * sum(floor.values()), (rank, case, cp, flash)
             if case.kv_heads == case.heads:
@@ -232,16 +231,14 @@ def test_a2a_replicating_kv_heads_within_its_floor(world):
     """An a2a wider than the KV heads (CP 4 over 2 and over 1 KV heads: each replicated twice
     and four times) attends with the whole sequence of a KV head on every rank: more than a
     GQA flash call on the rank's tokens holds, by construction. Against the floor of that
-    (one flash call on the rank's q and the replicated K/V, rank_kernel_floor) it keeps
+    (one flash call on the rank's q and the replicated K/V, rank_memory's floor step) it keeps
     exactly the floor and its peak is within the a2a target - and within REP_PEAK, which a
     second copy of the replicated K/V or of their gradients exceeds - in bshd and thd, and
     thd within THD_OVER_BSHD of bshd."""
     cases = tuple(_case("a2a", fmt, kv_heads=kv) for fmt in ("bshd", "thd") for kv in (2, 1))
-    per_rank = world.run(rank_memory, cases, cp_groups=bare_cp_groups)
-    floors = world.run(rank_kernel_floor, cases, cp_groups=bare_cp_groups)
-    for rank, (results, rank_floors) in enumerate(zip(per_rank, floors)):
+    for rank, results in enumerate(world.run(rank_memory, cases, cp_groups=bare_cp_groups)):
         peak = {}
-        for case, (cp, plain), floor in zip(cases, results, rank_floors):
+        for case, (cp, plain, floor) in zip(cases, results):
             assert case.kv_reps == 4 // case.kv_heads and floor is not None, case
             assert cp.kept == floor.kept == sum(floor_bytes(case).values()), (rank, case)
             ratio = cp.peak / floor.peak
@@ -260,7 +257,7 @@ def test_a_causal_block_in_row_chunks_builds_one_chunks_mask_at_a_time(world):
     made as its chunk runs: the peak is within the flash call's, which runs the same kernel
     in the same chunks (measured 0.91x)."""
     case = _case("a2a", "bshd", seq=4096, dim=96, dim_v=64)
-    for rank, [(cp, flash)] in enumerate(world.run(rank_memory, (case,),
+    for rank, [(cp, flash, _)] in enumerate(world.run(rank_memory, (case,),
                                                    cp_groups=bare_cp_groups)):
         assert cp.peak <= flash.peak, (rank, cp, flash)
 
@@ -271,7 +268,7 @@ def test_a_ring_block_of_every_row_and_half_the_columns_runs_in_halves(world):
     holding half its dq beside its dK/dV, not the whole block's gradients at once: the peak
     is within 1.80x a flash call (measured 1.78x; 1.85x run whole)."""
     case = _case("p2p", "bshd", seq=4096)
-    for rank, [(cp, flash)] in enumerate(world.run(rank_memory, (case,),
+    for rank, [(cp, flash, _)] in enumerate(world.run(rank_memory, (case,),
                                                    cp_groups=bare_cp_groups)):
         assert cp.peak <= 1.80 * flash.peak, (rank, cp.peak / flash.peak)
 
@@ -361,7 +358,7 @@ def test_thd_within_a_tenth_of_bshd_in_row_chunks(world):
     cases = tuple(_case(comm, fmt, seq=4096) for comm in ("p2p", "all_gather")
                   for fmt in ("bshd", "thd"))
     for rank, results in enumerate(world.run(rank_memory, cases, cp_groups=bare_cp_groups)):
-        peak = {(case.comm, case.fmt): cp.peak for case, (cp, _) in zip(cases, results)}
+        peak = {(case.comm, case.fmt): cp.peak for case, (cp, _, _) in zip(cases, results)}
         for comm in ("p2p", "all_gather"):
             assert peak[comm, "thd"] <= THD_TARGET * peak[comm, "bshd"], (rank, comm, peak)
 

@@ -21,10 +21,10 @@ def test_an_a2a_with_kv_replicas_is_judged_against_its_floor():
     assert case.kv_reps == 4
     floor = sum(floor_bytes(case).values())
     cp, flash = _step(floor, 200), _step(floor // 2, 100)
-    row = summarize(case, [(cp, flash)], [_step(floor, 170)])
+    row = summarize(case, [(cp, flash, _step(floor, 170))])
     assert row["peak"] == 2.0 and abs(row["rep"] - 200 / 170) < 1e-12
     assert row["kept_over_floor"] == 1.0 and verdict(row) == "ok"
-    row = summarize(case, [(cp, flash)], [_step(floor, 120)])
+    row = summarize(case, [(cp, flash, _step(floor, 120))])
     assert verdict(row) == "peak"
 
 
@@ -34,9 +34,9 @@ def test_without_replicas_the_peak_reads_the_flash_call():
     case = MemoryCase("a2a bshd mha", "a2a", 8)
     assert case.kv_reps == 1
     floor = sum(floor_bytes(case).values())
-    row = summarize(case, [(_step(floor, 160), _step(floor, 100))], [None])
+    row = summarize(case, [(_step(floor, 160), _step(floor, 100), None)])
     assert "rep" not in row and verdict(row) == "peak"
-    row = summarize(case, [(_step(floor, 140), _step(floor, 100))], [None])
+    row = summarize(case, [(_step(floor, 140), _step(floor, 100), None)])
     assert verdict(row) == "ok"
-    over = summarize(case, [(_step(floor + floor // 10, 140), _step(floor, 100))], [None])
+    over = summarize(case, [(_step(floor + floor // 10, 140), _step(floor, 100), None)])
     assert verdict(over) == "kept"
