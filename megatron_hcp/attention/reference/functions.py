@@ -135,7 +135,8 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
             _backward_block(dout, q, k, v, out, lse, piece, scale, dq, dk, dv)
         return None
     gb: list[torch.Tensor] = []
-    for part in _row_parts(block, q, v, bias):  # each added into the gradients as it comes
+    gathered = _gathered(block, dout, out)
+    for part in _row_parts(block, q, v, bias, gathered):  # each added in as it comes
         rows, cols = part.row_view, part.col_view
         gq, gk, gv, *gb = block_backward(
             _rows(dout, rows), take(q, rows), take(k, cols), take(v, cols), _rows(out, rows),
@@ -190,18 +191,46 @@ def _chunks(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[slice]
                       masked=block.mask is not None, biased=bias is not None)
 
 
-def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> Iterator[Block]:
-    """``block`` as the blocks of the row chunks it runs in (:func:`_chunks`), each with its
-    rows, its mask's rows and a causal diagonal folded into a mask offset by the chunk's
-    start; else ``block`` alone. Made as the caller asks for them: a chunk's mask exists
-    while its chunk runs, not all the chunks' at once (a causal diagonal's chunk masks add
-    up to half its rows x cols)."""
+def _gathered(block: Block, dout, out) -> int:
+    """Elements per row of ``block`` that its backward gathers from ``dout`` and ``out`` (the
+    output and its gradient read in token order, :class:`~.reorder.RowsInOrder`, where the
+    block's rows are not one run of theirs), held beside its dq."""
+    return sum(x.row_elements for x in (dout, out)
+               if isinstance(x, RowsInOrder) and not x.in_place(block.row_view))
+
+
+def _split_gathered(chunks: list[slice], per_row: int, gathered: int) -> list[slice]:
+    """Row ``chunks`` whose rows of dq (``per_row`` elements a row) and gathered rows
+    (``gathered``) add up to ``2 * HALVE_ELEMENTS`` or more, each in halves: a chunk then
+    holds no more beside the accumulators than a half of the same block without gathered
+    rows (bshd) holds of its dq."""
+    out: list[slice] = []
+    for chunk in chunks:
+        rows = chunk.stop - chunk.start
+        if rows > 1 and rows * (per_row + gathered) >= 2 * HALVE_ELEMENTS:
+            mid = chunk.start + rows // 2
+            out += [slice(chunk.start, mid), slice(mid, chunk.stop)]
+        else:
+            out.append(chunk)
+    return out
+
+
+def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias, gathered: int = 0
+               ) -> Iterator[Block]:
+    """``block`` as the blocks of the row chunks it runs in (:func:`_chunks`; a backward's
+    chunks that gather ``gathered`` elements a row besides split further, :func:`_split_gathered`),
+    each with its rows, its mask's rows and a causal diagonal folded into a mask offset by
+    the chunk's start; else ``block`` alone. Made as the caller asks for them: a chunk's mask
+    exists while its chunk runs, not all the chunks' at once (a causal diagonal's chunk
+    masks add up to half its rows x cols)."""
     n, m = q.shape[2], v.shape[2]
     cols = _count(block.cols, m)
     parts = _chunks(block, q, v, bias)
     if parts is None:
         yield block
         return
+    if gathered:
+        parts = _split_gathered(parts, q.shape[0] * q.shape[1] * q.shape[-1], gathered)
     for part in parts:
         part_cols, col_run = block.cols, block.col_run
         if block.mask is not None:
@@ -379,7 +408,7 @@ def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, s
     dk, dv = split_kv(dkv, dim)
     where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
     whole = bias is not None or src == layout.position  # a bias's gradient is the block's
-    for part in (block,) if whole else _halves(block, q, kj, vj):
+    for part in (block,) if whole else _parts(block, q, kj, vj, dout, out):
         gb = _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv,
                              _bias_block(bias, where), varlen=varlen)
         if gb is not None:
@@ -511,8 +540,8 @@ def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
 HALVE_ELEMENTS = 2**18
 
 
-def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> tuple[Block, ...]:
+def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            gathered: int = 0) -> tuple[Block, ...]:
     """A dense block as two blocks, the same work in two kernel calls (and one more add of
     the whole gradient), where that halves its largest gradient beside the accumulators, by
     :data:`HALVE_ELEMENTS` or more: half its rows each where dq is its largest gradient
@@ -522,11 +551,13 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     the largest (MHA: the later rows of a ring or all-gather block, which see every column)
     and it has more than half of the K/V's columns; a masked block (packed sequences, a
     window) with its mask's rows or columns, where it runs whole (not in row chunks, which
-    bound its parts already). Else ``(block,)``: causal, packed and varlen blocks."""
+    bound its parts already). ``gathered``: elements per row that its backward gathers
+    besides (rows of the output and its gradient read in token order, :func:`_parts`), held
+    beside dq and halved with it. Else ``(block,)``: causal, packed and varlen blocks."""
     n, m = q.shape[2], k.shape[2]
     rows, cols = _count(block.rows, n), _count(block.cols, m)
     b = q.shape[0]
-    dq = b * rows * q.shape[1] * q.shape[-1]
+    dq = b * rows * q.shape[1] * q.shape[-1] + rows * gathered
     dkv = b * cols * k.shape[1] * (k.shape[-1] + v.shape[-1])
     if (block.causal or block.pieces is not None or block.calls is not None
             or max(dq, dkv) < 2 * HALVE_ELEMENTS
@@ -548,12 +579,40 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return (block,)
 
 
+def _parts(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout, out
+           ) -> tuple[Block, ...]:
+    """``block`` as a later block's backward runs (:func:`_halves`), the rows of ``dout`` and
+    ``out`` it gathers (:class:`~.reorder.RowsInOrder`, rows not one run) counted beside its
+    dq; in halves of its rows, the gathered rows kept are let go first: each half gathers its
+    own, no copy of them all beside (the thd ring's block of every row)."""
+    parts = _halves(block, q, k, v, _gathered(block, dout, out))
+    if len(parts) > 1 and parts[0].cols is block.cols:  # halves of its rows
+        for x in (dout, out):
+            if isinstance(x, RowsInOrder) and not x.in_place(block.row_view):
+                x.let_go()
+    return parts
+
+
 def _gather(kv: torch.Tensor, group, n: int):
     """Start the all-gather of the packed K/V ([n, *kv.shape]); the local block is computed
     while it runs."""
     full = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)
     work = comm.all_gather_into_tensor(full, kv.reshape(-1), group, async_op=True)
     return full.view(n, *kv.shape), work
+
+
+def _every_source(shape: torch.Size, dtype: torch.dtype, own: tuple[LazyRows, LazyRows],
+                  position: int, dim: int) -> torch.Tensor:
+    """The all-gather's dK/dV accumulator of every source ([n, *kv.shape], zeros), with the
+    local block's ``own`` dK and dV in its row ``position``: made once the local block is
+    done, so that it is not alive beside that block's gradients and the whole output
+    gradient it reads (thd)."""
+    dk, dv = own
+    dkv_all = torch.zeros(shape, dtype=dtype, device=dk.device)
+    mk, mv = split_kv(dkv_all[position], dim)
+    mk.copy_(dk.value())
+    mv.copy_(dv.value())
+    return dkv_all
 
 
 def _gathered_forward(q, msg, dim, block, scale, out, lse, first: bool, varlen) -> None:
@@ -603,20 +662,32 @@ class AllGatherAttention(torch.autograd.Function):
         full, work = _gather(kv, group, layout.cp)  # again: O(local) saved
         acc = acc_dtype(q.dtype)
         dq = LazyRows(q.shape, acc, q.device)  # the local block's dq (it comes first)
-        dkv_all = torch.zeros(full.shape, dtype=acc, device=q.device)
         sources = _sources(layout, causal, window, record=False, varlen=ctx.varlen)
+        own = None  # the local block's dK/dV: its own gradients, not yet every source's
+        if sources and sources[0][0] == layout.position:
+            k, v = split_kv(kv, dim)
+            own = (LazyRows(k.shape, acc, q.device), LazyRows(v.shape, acc, q.device))
+            del k, v
+        dkv_all = None if own is not None else torch.zeros(full.shape, dtype=acc,
+                                                           device=q.device)
         for index, (src, block) in enumerate(sources):
             if src != layout.position and work is not None:
                 work.wait()
                 work = None
+            if src != layout.position and dkv_all is None:
+                dkv_all = _every_source(full.shape, acc, own, layout.position, dim)
+                own = None
             kj, vj = split_kv(kv if src == layout.position else full[src], dim)
-            dk, dv = split_kv(dkv_all[src], dim)
-            for part in _halves(block, q, kj, vj) if index else (block,):
+            dk, dv = own if src == layout.position else split_kv(dkv_all[src], dim)
+            for part in _parts(block, q, kj, vj, dout, out) if index else (block,):
                 _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv,
                                 varlen=ctx.varlen)
         if work is not None:
             work.wait()
         comm.release(full)
+        if dkv_all is None:  # the local block was the only one
+            dkv_all = _every_source(full.shape, acc, own, layout.position, dim)
+            own = None
         mine = torch.empty(kv.shape, dtype=acc, device=q.device)
         comm.reduce_scatter_tensor(mine.view(-1), dkv_all.view(-1), group)
         comm.release(dkv_all)

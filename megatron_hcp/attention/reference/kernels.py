@@ -274,7 +274,7 @@ def _chunks_for(kernel: str, rows: int, mask: torch.Tensor | BlockMask | None
 # :func:`row_chunks` cuts the rows where it would take more (a packed block of a few long
 # sequences, a window block, the whole sequence after an a2a, MLA head dims on the CPU:
 # rows x cols grows with the local sequence squared, q only with it)
-MASK_SHARE = 4
+MASK_SHARE = 8
 MASK_ELEMENTS = 2**16  # a mask's elements: 4 bytes (fp32 mask) + a few booleans each
 CHUNK_ELEMENTS = 2**18  # the math path's scores
 

@@ -153,34 +153,67 @@ class RowsInOrder:
     """``x`` [B, H, S, D] seen with its tokens in the order ``perm`` (row ``i`` is ``x``'s row
     ``perm[i]``) without moving it whole: :meth:`take` returns the rows a block reads - a view
     where they are one run of ``x``'s rows (``host``: ``perm`` on the host, ``runs``: its
-    :func:`run_starts`), a gather of just those rows for a part of up to half of them (a row
-    chunk, a piece), else a view of the whole reordered once (one gather, kept for the rest of
-    the backward: a block of most rows reads them whole anyway). A block in pieces or row
-    chunks then holds its own rows, not a second copy of the whole tensor."""
+    :func:`run_starts`), else gathered: a run of the reordered rows (a block's rows, a row
+    chunk, a half) gathered once and kept until a block reads rows it does not hold, or half
+    of them or fewer (or :meth:`let_go`); more than half of the rows as the whole reordered
+    once (a block of most rows reads them whole anyway); an index of up to half of them (a
+    piece) a gather of just those.
+    So a block in pieces, row chunks or halves holds its own rows, not a copy of the whole,
+    and the blocks after it that read the same rows (the later halves of a ring) gather them
+    once."""
 
     x: torch.Tensor
     perm: torch.Tensor
     host: tuple[int, ...] = ()
     runs: tuple[int, ...] = ()
-    _whole: list = field(default_factory=list)
+    _kept: list = field(default_factory=list)  # [(first, stop, rows)]: at most one
 
     def take(self, sel: slice | torch.Tensor) -> torch.Tensor:
         """The rows ``sel`` of the reordered tensor."""
         n = int(self.perm.numel())
-        if self._whole:
-            return take(self._whole[0], sel)
         if isinstance(sel, slice):
             span = range(n)[sel]
+            if span.step != 1 or len(span) == 0:
+                return self._gather(self.perm[sel])
             a, b = span.start, span.stop
-            if self.runs and span.step == 1 and b > a and self.runs[a] == self.runs[b - 1]:
+            if self._kept:  # (no local name for the kept rows: let_go must free them)
+                first, stop = self._kept[0][:2]
+                if first <= a and b <= stop and 2 * (b - a) > stop - first:
+                    return self._kept[0][2][:, :, a - first:b - first]
+            if self.in_place(sel):
                 return self.x[:, :, self.host[a]:self.host[a] + b - a]
-            count = len(span)
-        else:
-            count = int(sel.numel())
-        if 2 * count > n:
-            self._whole.append(tokens_in_order(self.x, self.perm))
-            return take(self._whole[0], sel)
-        index = self.perm[sel] if isinstance(sel, slice) else self.perm.index_select(0, sel)
+            if 2 * (b - a) > n:
+                a, b = 0, n
+            self.let_go()  # before the next gather: one kept at a time
+            self._kept.append((a, b, self._gather(self.perm[a:b])))
+            return take(self._kept[0][2], slice(span.start - a, span.stop - a))
+        if self._kept and self._kept[0][:2] == (0, n):
+            return take(self._kept[0][2], sel)
+        if 2 * int(sel.numel()) > n:
+            self.let_go()
+            self._kept.append((0, n, self._gather(self.perm)))
+            return take(self._kept[0][2], sel)
+        return self._gather(self.perm.index_select(0, sel))
+
+    def in_place(self, sel: slice | torch.Tensor) -> bool:
+        """The rows ``sel`` are one run of ``x``'s rows: :meth:`take` returns a view."""
+        if not isinstance(sel, slice) or not self.runs:
+            return False
+        span = range(int(self.perm.numel()))[sel]
+        return (span.step == 1 and span.stop > span.start
+                and self.runs[span.start] == self.runs[span.stop - 1])
+
+    def let_go(self) -> None:
+        """Drop the rows kept gathered (the next :meth:`take` gathers what it reads)."""
+        self._kept.clear()
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one row (all batches and heads)."""
+        b, h, _, d = self.x.shape
+        return b * h * d
+
+    def _gather(self, index: torch.Tensor) -> torch.Tensor:
         return tokens_in_order(self.x, index)
 
     def row_sums(self, other: RowsInOrder) -> torch.Tensor:

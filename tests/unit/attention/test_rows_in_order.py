@@ -1,7 +1,8 @@
 """The backward of packed (thd) sequences reads the output and its gradient in the attention's
 token order (halves grouped) without regrouping them whole (``reorder.RowsInOrder``): a block's
 rows that are one run of the model's rows are a view, a part of up to half of them a gather of
-those rows only, and more than half the whole regrouped once."""
+those rows only (kept for the blocks that read them again), more than half the whole regrouped
+once - and let go once the blocks read half of it or less."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_rows_of_one_run_are_a_view_of_the_model_order():
     rows, whole = _rows()
     part = rows.take(slice(16, 24))  # the second sequence's first half
     assert part.untyped_storage().data_ptr() == rows.x.untyped_storage().data_ptr()
-    assert torch.equal(part, whole[:, :, 16:24]) and not rows._whole
+    assert torch.equal(part, whole[:, :, 16:24]) and not rows._kept
 
 
 def test_a_small_part_is_a_gather_of_its_rows_only():
@@ -40,7 +41,7 @@ def test_a_small_part_is_a_gather_of_its_rows_only():
     with LiveBytes() as mem:
         part = rows.take(slice(12, 30))  # across sequences: not one run, under half the rows
         assert mem.current == part.numel() * part.element_size()
-    assert torch.equal(part, whole[:, :, 12:30]) and not rows._whole
+    assert torch.equal(part, whole[:, :, 12:30]) and rows._kept[0][:2] == (12, 30)
     index = torch.tensor([3, 40, 41, 70])
     assert torch.equal(rows.take(index), whole.index_select(2, index))
 
@@ -48,10 +49,25 @@ def test_a_small_part_is_a_gather_of_its_rows_only():
 def test_most_rows_regroup_the_whole_once_and_then_read_views_of_it():
     rows, whole = _rows()
     first = rows.take(slice(0, 96))
-    assert torch.equal(first, whole) and len(rows._whole) == 1
-    again = rows.take(slice(48, 96))
-    assert again.untyped_storage().data_ptr() == rows._whole[0].untyped_storage().data_ptr()
-    assert torch.equal(again, whole[:, :, 48:96])
+    assert torch.equal(first, whole) and rows._kept[0][:2] == (0, 96)
+    again = rows.take(slice(40, 96))
+    assert again.untyped_storage().data_ptr() == rows._kept[0][2].untyped_storage().data_ptr()
+    assert torch.equal(again, whole[:, :, 40:96])
+
+
+def test_half_the_rows_or_fewer_let_the_whole_go_and_gather_their_own():
+    """The ring's later blocks read the second half of the rows: the whole gathered for the
+    blocks of every row is let go, not held beside their half (thd's peak)."""
+    rows, whole = _rows()
+    rows.take(slice(0, 96))
+    with LiveBytes() as mem:
+        half = rows.take(slice(48, 96))
+        assert mem.current == half.numel() * half.element_size()  # the whole is gone
+    assert torch.equal(half, whole[:, :, 48:96]) and rows._kept[0][:2] == (48, 96)
+    again = rows.take(slice(60, 96))  # more than half of the kept rows: a view of them
+    assert again.untyped_storage().data_ptr() == half.untyped_storage().data_ptr()
+    rows.let_go()
+    assert not rows._kept
 
 
 def test_row_sums_are_in_the_attention_order():
