@@ -601,6 +601,12 @@ def _gather(kv: torch.Tensor, group, n: int):
     return full.view(n, *kv.shape), work
 
 
+def _whole_run(block: Block, q: torch.Tensor, v: torch.Tensor, varlen) -> bool:
+    """``block`` runs as one kernel call: no pieces, varlen calls or row chunks."""
+    return (block.pieces is None and _calls(block, q, varlen) is None
+            and _chunks(block, q, v, None) is None)
+
+
 def _every_source(shape: torch.Size, dtype: torch.dtype, own: tuple[LazyRows, LazyRows],
                   position: int, dim: int) -> torch.Tensor:
     """The all-gather's dK/dV accumulator of every source ([n, *kv.shape], zeros), with the
@@ -663,11 +669,15 @@ class AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         dq = LazyRows(q.shape, acc, q.device)  # the local block's dq (it comes first)
         sources = _sources(layout, causal, window, record=False, varlen=ctx.varlen)
-        own = None  # the local block's dK/dV: its own gradients, not yet every source's
-        if sources and sources[0][0] == layout.position:
-            k, v = split_kv(kv, dim)
+        # a local block run whole (its dK/dV the kernel's own tensors) before the accumulator
+        # of every source is made: not alive beside it (a block in chunks or pieces adds
+        # into the accumulator, which a separate one of its own would only double)
+        own = None
+        k, v = split_kv(kv, dim)
+        if sources and sources[0][0] == layout.position and _whole_run(
+                sources[0][1], q, v, ctx.varlen):
             own = (LazyRows(k.shape, acc, q.device), LazyRows(v.shape, acc, q.device))
-            del k, v
+        del k, v
         dkv_all = None if own is not None else torch.zeros(full.shape, dtype=acc,
                                                            device=q.device)
         for index, (src, block) in enumerate(sources):
@@ -678,7 +688,7 @@ class AllGatherAttention(torch.autograd.Function):
                 dkv_all = _every_source(full.shape, acc, own, layout.position, dim)
                 own = None
             kj, vj = split_kv(kv if src == layout.position else full[src], dim)
-            dk, dv = own if src == layout.position else split_kv(dkv_all[src], dim)
+            dk, dv = own if own is not None else split_kv(dkv_all[src], dim)
             for part in _parts(block, q, kj, vj, dout, out) if index else (block,):
                 _backward_block(dout, q, kj, vj, out, lse, part, scale, dq, dk, dv,
                                 varlen=ctx.varlen)
