@@ -557,14 +557,15 @@ def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n, m = q.shape[2], k.shape[2]
     rows, cols = _count(block.rows, n), _count(block.cols, m)
     b = q.shape[0]
-    dq = b * rows * q.shape[1] * q.shape[-1] + rows * gathered
+    dq = b * rows * q.shape[1] * q.shape[-1]
     dkv = b * cols * k.shape[1] * (k.shape[-1] + v.shape[-1])
+    by_row = dq + rows * gathered  # what halves with its rows
     if (block.causal or block.pieces is not None or block.calls is not None
-            or max(dq, dkv) < 2 * HALVE_ELEMENTS
+            or max(by_row, dkv) < 2 * HALVE_ELEMENTS
             or (block.mask is not None and _chunks(block, q, v, None) is not None)):
         return (block,)
     mask = block.mask
-    if dq >= dkv and 2 * rows > n:
+    if by_row >= dkv and 2 * rows > n:
         half = rows // 2
         return tuple(Block(_sub(block.rows, lo, hi, n), block.cols, False,
                            None if mask is None else mask.query_rows(slice(lo, hi)),

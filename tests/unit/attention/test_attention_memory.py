@@ -498,6 +498,24 @@ def test_a_chunk_that_gathers_its_rows_runs_in_halves():
     assert _split_gathered(chunks, per_row, 0) == chunks  # without gathered rows: dq alone
 
 
+def test_gathered_rows_halve_with_the_rows_not_against_dk_dv():
+    """functions._halves: rows of the output and its gradient that a block gathers are held
+    beside its dq and halve with its rows; they do not stop a block that cannot halve its
+    rows (the later half of them) from halving its columns where dK/dV outweigh its dq."""
+    from megatron_hcp.attention.reference.blocks import Block
+    from megatron_hcp.attention.reference.functions import _halves
+
+    n, heads = 4096, 2
+    q, k = torch.empty(1, heads, n, 64), torch.empty(1, 1, n, 64)
+    gathered = 2 * heads * 64  # the output's and its gradient's rows
+    later = Block(slice(n // 2, n), slice(0, n), False, None)  # dK/dV twice its dq
+    parts = _halves(later, q, k, k, gathered)
+    assert [p.cols for p in parts] == [slice(0, n // 2), slice(n // 2, n)], parts
+    every = Block(slice(0, n), slice(0, n // 4), False, None)  # its dq twice its dK/dV
+    assert [p.rows for p in _halves(every, q, k, k, gathered)] == [
+        slice(0, n // 2), slice(n // 2, n)]
+
+
 def _assert_oracle(world, runner, names: tuple[str, ...]) -> None:
     """Every rank's errors of the named oracle cases, run by ``runner``, within the oracle's
     tolerances (test_cp_attention.TOL)."""
