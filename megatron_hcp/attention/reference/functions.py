@@ -191,12 +191,18 @@ def _chunks(block: Block, q: torch.Tensor, v: torch.Tensor, bias) -> list[slice]
                       masked=block.mask is not None, biased=bias is not None)
 
 
+def _reread(block: Block, dout, out) -> list[RowsInOrder]:
+    """Of ``dout`` and ``out``, those whose rows ``block`` gathers (the output and its
+    gradient read in token order, :class:`~.reorder.RowsInOrder`, where the block's rows are
+    not one run of theirs)."""
+    return [x for x in (dout, out)
+            if isinstance(x, RowsInOrder) and not x.in_place(block.row_view)]
+
+
 def _gathered(block: Block, dout, out) -> int:
-    """Elements per row of ``block`` that its backward gathers from ``dout`` and ``out`` (the
-    output and its gradient read in token order, :class:`~.reorder.RowsInOrder`, where the
-    block's rows are not one run of theirs), held beside its dq."""
-    return sum(x.row_elements for x in (dout, out)
-               if isinstance(x, RowsInOrder) and not x.in_place(block.row_view))
+    """Elements per row of ``block`` that its backward gathers (:func:`_reread`), held
+    beside its dq."""
+    return sum(x.row_elements for x in _reread(block, dout, out))
 
 
 def _split_gathered(chunks: list[slice], per_row: int, gathered: int) -> list[slice]:
@@ -421,12 +427,11 @@ def _whole_block_grads(dout, q, kv, dim, out, lse, block, scale, varlen):
     columns an index or a part, pieces, varlen calls, no block)."""
     s = q.shape[2]
     whole = slice(0, s)
-    if (block is None or block.pieces is not None or _calls(block, q, varlen) is not None
-            or not isinstance(block.rows, slice) or not isinstance(block.cols, slice)
+    if (block is None or not isinstance(block.rows, slice) or not isinstance(block.cols, slice)
             or range(s)[block.rows] != range(s) or range(s)[block.cols] != range(s)):
         return None
     k, v = split_kv(kv, dim)
-    if _chunks(block, q, v, None) is not None:  # it runs in row chunks
+    if not _whole_run(block, q, v, varlen):
         return None
     grads = block_backward(_rows(dout, whole), take(q, whole), k, v, _rows(out, whole),
                            take(lse, whole), scale=scale, causal=block.causal,
@@ -586,11 +591,11 @@ def _parts(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
     ``out`` it gathers (:class:`~.reorder.RowsInOrder`, rows not one run) counted beside its
     dq; in halves of its rows, the gathered rows kept are let go first: each half gathers its
     own, no copy of them all beside (the thd ring's block of every row)."""
-    parts = _halves(block, q, k, v, _gathered(block, dout, out))
+    reread = _reread(block, dout, out)
+    parts = _halves(block, q, k, v, sum(x.row_elements for x in reread))
     if len(parts) > 1 and parts[0].cols is block.cols:  # halves of its rows
-        for x in (dout, out):
-            if isinstance(x, RowsInOrder) and not x.in_place(block.row_view):
-                x.let_go()
+        for x in reread:
+            x.let_go()
     return parts
 
 

@@ -184,16 +184,19 @@ class RowsInOrder:
                 return self.x[:, :, self.host[a]:self.host[a] + b - a]
             if 2 * (b - a) > n:
                 a, b = 0, n
-            self.let_go()  # before the next gather: one kept at a time
-            self._kept.append((a, b, self._gather(self.perm[a:b])))
-            return take(self._kept[0][2], slice(span.start - a, span.stop - a))
+            return take(self._keep(a, b), slice(span.start - a, span.stop - a))
         if self._kept and self._kept[0][:2] == (0, n):
             return take(self._kept[0][2], sel)
         if 2 * int(sel.numel()) > n:
-            self.let_go()
-            self._kept.append((0, n, self._gather(self.perm)))
-            return take(self._kept[0][2], sel)
+            return take(self._keep(0, n), sel)
         return self._gather(self.perm.index_select(0, sel))
+
+    def _keep(self, a: int, b: int) -> torch.Tensor:
+        """The reordered rows ``a`` to ``b`` gathered and kept, what was kept let go first
+        (one kept at a time)."""
+        self.let_go()
+        self._kept.append((a, b, self._gather(self.perm[a:b])))
+        return self._kept[0][2]
 
     def in_place(self, sel: slice | torch.Tensor) -> bool:
         """The rows ``sel`` are one run of ``x``'s rows: :meth:`take` returns a view."""
