@@ -223,20 +223,23 @@ def _split_gathered(chunks: list[slice], per_row: int, gathered: int) -> list[sl
 
 def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias, gathered: int = 0
                ) -> Iterator[Block]:
-    """``block`` as the blocks of the row chunks it runs in (:func:`_chunks`; a backward's
-    chunks that gather ``gathered`` elements a row besides split further, :func:`_split_gathered`),
-    each with its rows, its mask's rows and a causal diagonal folded into a mask offset by
-    the chunk's start; else ``block`` alone. Made as the caller asks for them: a chunk's mask
-    exists while its chunk runs, not all the chunks' at once (a causal diagonal's chunk
-    masks add up to half its rows x cols)."""
+    """``block`` as the blocks of the row chunks it runs in (:func:`_chunks`; in a backward,
+    its chunks - or the block itself, where it runs whole - that gather ``gathered`` elements
+    a row besides split further, :func:`_split_gathered`: a half of a later block is split
+    once more where its rows are that large), each with its rows, its mask's rows and a
+    causal diagonal folded into a mask offset by the chunk's start; else ``block`` alone.
+    Made as the caller asks for them: a chunk's mask exists while its chunk runs, not all the
+    chunks' at once (a causal diagonal's chunk masks add up to half its rows x cols)."""
     n, m = q.shape[2], v.shape[2]
     cols = _count(block.cols, m)
     parts = _chunks(block, q, v, bias)
+    if gathered and bias is None:  # (a bias's gradient is its block's: never in chunks)
+        split = _split_gathered(parts or [slice(0, _count(block.rows, n))],
+                                q.shape[0] * q.shape[1] * q.shape[-1], gathered)
+        parts = split if parts is not None or len(split) > 1 else None
     if parts is None:
         yield block
         return
-    if gathered:
-        parts = _split_gathered(parts, q.shape[0] * q.shape[1] * q.shape[-1], gathered)
     for part in parts:
         part_cols, col_run = block.cols, block.col_run
         if block.mask is not None:
@@ -539,10 +542,13 @@ def _sources(layout: SeqLayout, causal: bool, window: Window, record: bool,
 
 
 # a block's backward runs in halves only where that saves this many gradient elements or
-# more (half its largest gradient; the floor of the math path's row chunks,
-# kernels.CHUNK_ELEMENTS); below it the block runs whole: one more kernel call and its
-# adds cost more than the bytes are worth (the launch proxy's blocks would save 2^16 - 2^17)
-HALVE_ELEMENTS = 2**18
+# more (half its largest gradient); below it the block runs whole: one more kernel call and
+# its adds cost more than the bytes are worth. 2^17 (512 KiB in fp32): the ring's blocks
+# at 256 tokens a rank with 8 heads of 64 (CP 16 at S 4096) halve and keep the peak within
+# 2x of a flash call, at the cost of 5 more kernels a step of the launch proxy's CP 2 case
+# (21 -> 26, blocks of the same size); its CP 4 blocks (128 tokens a rank) save 2^15 - 2^16
+# and run whole (2^16 would add 13-40 kernels a step there)
+HALVE_ELEMENTS = 2**17
 
 
 def _halves(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -275,7 +275,11 @@ def _chunks_for(kernel: str, rows: int, mask: torch.Tensor | BlockMask | None
 # sequences, a window block, the whole sequence after an a2a, MLA head dims on the CPU:
 # rows x cols grows with the local sequence squared, q only with it)
 MASK_SHARE = 8
-MASK_ELEMENTS = 2**16  # a mask's elements: 4 bytes (fp32 mask) + a few booleans each
+# a mask's elements: 4 bytes (fp32 mask) + a few booleans each; 2^15, an eighth of q at 256
+# tokens a rank with 16 heads of 64 (a2a+p2p's ring at CP 16, S 4096, 8 heads: 2^16 held
+# a mask and a row chunk's dq beside two K/V messages at 2.01x of a flash call's peak;
+# the launch proxy's masks are smaller)
+MASK_ELEMENTS = 2**15
 CHUNK_ELEMENTS = 2**18  # the math path's scores
 
 
