@@ -412,7 +412,9 @@ def _ring_backward_step(dout, q, msg, dim, layout: SeqLayout, src: int, block, s
                         lse, dq, dkv, bias, dbias, varlen) -> None:
     """The gradients of the block of the K/V ``msg`` of ``src``, added into ``dq`` and
     ``dkv`` (and ``dbias``); a later source's block in halves (:func:`_halves`; the local
-    block comes first and whole: its dq may be the accumulator)."""
+    block comes first and is not halved: where it runs as one kernel call, its dq is the
+    accumulator - a thd block that gathers large rows runs in row halves,
+    :func:`_row_parts`, and adds into a zeroed one)."""
     kj, vj = split_kv(msg, dim)
     dk, dv = split_kv(dkv, dim)
     where = _bias_positions(bias, layout, layout.at(layout.cp, src), block)
@@ -614,7 +616,9 @@ def _gather(kv: torch.Tensor, group, n: int):
 
 
 def _whole_run(block: Block, q: torch.Tensor, v: torch.Tensor, varlen) -> bool:
-    """``block`` runs as one kernel call: no pieces, varlen calls or row chunks."""
+    """``block`` has no pieces, varlen calls or row chunks: one kernel call, or two row
+    halves where its backward gathers large rows (:func:`_row_parts`; its gradients' first
+    add then zeroes the accumulator, :class:`~.grad_rows.LazyRows`)."""
     return (block.pieces is None and _calls(block, q, varlen) is None
             and _chunks(block, q, v, None) is None)
 
