@@ -517,6 +517,29 @@ def test_a_chunk_that_gathers_its_rows_runs_in_halves():
     assert _split_gathered(chunks, per_row, 0) == chunks  # without gathered rows: dq alone
 
 
+def test_a_block_run_whole_that_gathers_large_rows_splits_its_rows():
+    """functions._row_parts: a block with no row chunks (a half of a later block) whose dq and
+    gathered rows reach 2 * HALVE_ELEMENTS runs in two halves of its rows, its columns
+    unchanged; with fewer rows, without gathered rows, or with a bias (its gradient is the
+    block's), it is yielded whole."""
+    from megatron_hcp.attention.reference.blocks import Block
+    from megatron_hcp.attention.reference.functions import HALVE_ELEMENTS, _row_parts
+
+    heads, dim = 16, 64
+    per_row = heads * dim
+    rows = 2 * HALVE_ELEMENTS // (2 * per_row)  # dq and as many gathered elements reach it
+    q, k = torch.empty(1, heads, 2 * rows, dim), torch.empty(1, 2, 2 * rows, dim)
+    block = Block(slice(rows, 2 * rows), slice(0, rows), False, None)
+    parts = list(_row_parts(block, q, k, None, per_row))
+    assert [(p.rows, p.cols) for p in parts] == [
+        (slice(rows, rows + rows // 2), slice(0, rows)),
+        (slice(rows + rows // 2, 2 * rows), slice(0, rows))], parts
+    small = Block(slice(rows, rows + rows // 2), slice(0, rows), False, None)
+    for whole, gathered, bias in ((small, per_row, None), (block, 0, None),
+                                  (block, per_row, torch.empty(1))):
+        assert list(_row_parts(whole, q, k, bias, gathered)) == [whole], (whole, gathered)
+
+
 def test_gathered_rows_halve_with_the_rows_not_against_dk_dv():
     """functions._halves: rows of the output and its gradient that a block gathers are held
     beside its dq and halve with its rows; they do not stop a block that cannot halve its
