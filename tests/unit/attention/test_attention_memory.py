@@ -350,14 +350,14 @@ def test_the_output_is_let_go_once_moved_back(world):
     thd: the packed halves' token order), the backward moves it back and lets go of the
     returned one (reorder.HeldOutput), against the output saved until the backward ends (as
     under saved-tensor hooks, which must see it): a2a+p2p's peak is an output lower; thd's is
-    no higher (the moved-back output replaces the returned one, and its blocks read views of
-    it; under hooks they gather its rows, and since the blocks that gather rows split once
-    more where those are large, ``functions._row_parts``, both peak at the same step)."""
-    cases = (_case("a2a+p2p", "bshd", seq=2048), _case("p2p", "thd", seq=2048))
+    lower (the moved-back output replaces the returned one, and its blocks read views of it,
+    not gathered rows; at S 1024: at S 2048 the blocks that gather large rows split them,
+    ``functions._row_parts``, and one rank's peak under hooks is as low)."""
+    cases = (_case("a2a+p2p", "bshd", seq=2048), _case("p2p", "thd", seq=1024))
     for rank, results in enumerate(world.run(peaks_with_and_without_hooks, cases)):
         a2a, thd = results
         assert a2a["plain"] <= a2a["hooked"] - a2a["out"], (rank, a2a)
-        assert thd["plain"] <= thd["hooked"], (rank, thd)
+        assert thd["plain"] < thd["hooked"], (rank, thd)
 
 
 def held_output_uses(case: MemoryCase) -> dict:
