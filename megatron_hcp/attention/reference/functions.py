@@ -135,7 +135,7 @@ def _backward_block(dout, q, k, v, out, lse, block, scale, dq, dk, dv, bias=None
             _backward_block(dout, q, k, v, out, lse, piece, scale, dq, dk, dv)
         return None
     gb: list[torch.Tensor] = []
-    gathered = _gathered(block, dout, out)
+    gathered = _gathered(_reread(block, dout, out))
     for part in _row_parts(block, q, v, bias, gathered):  # each added in as it comes
         rows, cols = part.row_view, part.col_view
         gq, gk, gv, *gb = block_backward(
@@ -199,10 +199,10 @@ def _reread(block: Block, dout, out) -> list[RowsInOrder]:
             if isinstance(x, RowsInOrder) and not x.in_place(block.row_view)]
 
 
-def _gathered(block: Block, dout, out) -> int:
-    """Elements per row of ``block`` that its backward gathers (:func:`_reread`), held
-    beside its dq."""
-    return sum(x.row_elements for x in _reread(block, dout, out))
+def _gathered(reread: list[RowsInOrder]) -> int:
+    """Elements per row that a block's backward gathers of the tensors it rereads
+    (:func:`_reread`), held beside its dq."""
+    return sum(x.row_elements for x in reread)
 
 
 def _split_gathered(chunks: list[slice], per_row: int, gathered: int) -> list[slice]:
@@ -234,10 +234,9 @@ def _row_parts(block: Block, q: torch.Tensor, v: torch.Tensor, bias, gathered: i
     cols = _count(block.cols, m)
     parts = _chunks(block, q, v, bias)
     if gathered and bias is None:  # (a bias's gradient is its block's: never in chunks)
-        split = _split_gathered(parts or [slice(0, _count(block.rows, n))],
+        parts = _split_gathered(parts or [slice(0, _count(block.rows, n))],
                                 q.shape[0] * q.shape[1] * q.shape[-1], gathered)
-        parts = split if parts is not None or len(split) > 1 else None
-    if parts is None:
+    if parts is None or len(parts) == 1:  # (one chunk of every row: the block)
         yield block
         return
     for part in parts:
@@ -600,7 +599,7 @@ def _parts(block: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
     dq; in halves of its rows, the gathered rows kept are let go first: each half gathers its
     own, no copy of them all beside (the thd ring's block of every row)."""
     reread = _reread(block, dout, out)
-    parts = _halves(block, q, k, v, sum(x.row_elements for x in reread))
+    parts = _halves(block, q, k, v, _gathered(reread))
     if len(parts) > 1 and parts[0].cols is block.cols:  # halves of its rows
         for x in reread:
             x.let_go()
